@@ -1,0 +1,286 @@
+"""Child specs and supervisor flags, validated at construction as OTP's ``check_childspec`` does.
+
+A bad spec raises :class:`~supervisor.errors.InvalidSpec` naming the field, what was expected
+and what was given, before anything starts.  Strings are accepted wherever an enum is expected
+(``restart="transient"``) so specs can come straight from YAML.
+
+Deviations from OTP, all deliberate:
+
+- ``period`` and shutdown timeouts are seconds and may be fractional; OTP uses integer seconds
+  and milliseconds respectively.  Tests run the same semantics at a smaller time scale.
+- A start function cannot return ``ignore``.  A child that should not run is not specified.
+- ``modules`` (release handling) has no meaning here and does not exist.
+- ``deadlines`` and ``progress_poll_s`` are erlay additions: per-phase progress deadlines used
+  for hang detection (see :mod:`supervisor.health`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.errors import InvalidSpec
+
+
+class Restart(enum.Enum):
+    """When a terminated child is restarted (OTP's restart type)."""
+
+    PERMANENT = "permanent"  # always
+    TRANSIENT = "transient"  # only after an abnormal exit
+    TEMPORARY = "temporary"  # never, not even when a sibling's restart terminated it
+
+
+class ChildType(enum.Enum):
+    WORKER = "worker"
+    SUPERVISOR = "supervisor"
+
+
+class Strategy(enum.Enum):
+    ONE_FOR_ONE = "one_for_one"
+    ONE_FOR_ALL = "one_for_all"
+    REST_FOR_ONE = "rest_for_one"
+    SIMPLE_ONE_FOR_ONE = "simple_one_for_one"
+
+
+class AutoShutdown(enum.Enum):
+    NEVER = "never"
+    ANY_SIGNIFICANT = "any_significant"
+    ALL_SIGNIFICANT = "all_significant"
+
+
+class ShutdownKind(enum.Enum):
+    BRUTAL_KILL = "brutal_kill"
+    TIMEOUT = "timeout"
+    INFINITY = "infinity"
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """How a child is stopped: kill at once, ask then kill after ``timeout_s``, or ask and wait."""
+
+    kind: ShutdownKind
+    timeout_s: float = math.inf
+
+    @staticmethod
+    def parse(value: Shutdown | str | float | int) -> Shutdown:
+        """Accept ``"brutal_kill"``, ``"infinity"``, a number of seconds, or a Shutdown."""
+        if isinstance(value, Shutdown):
+            return value
+        if value == "brutal_kill":
+            return Shutdown(ShutdownKind.BRUTAL_KILL, 0.0)
+        if value == "infinity":
+            return Shutdown(ShutdownKind.INFINITY, math.inf)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            return Shutdown(ShutdownKind.TIMEOUT, float(value))
+        raise InvalidSpec("shutdown", value,
+                          '"brutal_kill", "infinity" or a number of seconds >= 0')
+
+
+BRUTAL_KILL = Shutdown(ShutdownKind.BRUTAL_KILL, 0.0)
+INFINITY = Shutdown(ShutdownKind.INFINITY, math.inf)
+
+
+def _enum(cls: type[enum.Enum], name: str, value: object) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = " | ".join(m.value for m in cls)  # type: ignore[attr-defined]
+        raise InvalidSpec(name, value, allowed) from None
+
+
+class StartSpec:
+    """Marker base for the ways a child can be started; the shell interprets each kind."""
+
+
+@dataclass(frozen=True)
+class ActorStart(StartSpec):
+    """A dedicated Ray actor: ``cls`` is a plain class, wrapped and made remote by the shell.
+
+    ``options`` go to ``.options()``.  ``max_restarts`` must stay 0 because the supervisor owns
+    restarts; ``num_cpus`` defaults to 0 so supervised actors never starve the job of CPUs.
+    """
+
+    cls: type
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cls, type):
+            raise InvalidSpec("start.cls", self.cls, "a class")
+        if self.options.get("max_restarts", 0) != 0:
+            raise InvalidSpec("start.options.max_restarts", self.options["max_restarts"],
+                              "0 (the supervisor owns restarts, not Ray)")
+
+
+@dataclass(frozen=True)
+class InProcessStart(StartSpec):
+    """An object created inside the hosting process by ``factory(*args, **kwargs)``.
+
+    ``factory`` is a callable or a ``"module:attr"`` import path.  See
+    :mod:`supervisor.hosted` for the object's contract.
+    """
+
+    factory: Callable[..., Any] | str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.factory, str):
+            if ":" not in self.factory:
+                raise InvalidSpec("start.factory", self.factory, '"module:attr" or a callable')
+        elif not callable(self.factory):
+            raise InvalidSpec("start.factory", self.factory, '"module:attr" or a callable')
+
+
+@dataclass(frozen=True)
+class SubprocessStart(StartSpec):
+    """A subprocess in its own session and process group.
+
+    With ``wait_ready`` the child is started only once it writes a line to the file descriptor
+    named by the ``ERLAY_READY_FD`` environment variable, within ``ready_timeout_s``.
+    ``env`` is added to the forwarded environment of the hosting process.
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    wait_ready: bool = False
+    ready_timeout_s: float = 10.0
+    log_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.argv or not all(isinstance(a, str) for a in self.argv):
+            raise InvalidSpec("start.argv", self.argv, "a non-empty tuple of strings")
+        if self.ready_timeout_s <= 0:
+            raise InvalidSpec("start.ready_timeout_s", self.ready_timeout_s, "a number > 0")
+
+
+@dataclass(frozen=True)
+class SupervisorFlags:
+    """OTP's supervisor flags.  Defaults are OTP's: one_for_one, 1 restart in 5 seconds."""
+
+    strategy: Strategy | str = Strategy.ONE_FOR_ONE
+    intensity: int = 1
+    period: float = 5.0
+    auto_shutdown: AutoShutdown | str = AutoShutdown.NEVER
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", _enum(Strategy, "strategy", self.strategy))
+        object.__setattr__(self, "auto_shutdown",
+                           _enum(AutoShutdown, "auto_shutdown", self.auto_shutdown))
+        if not isinstance(self.intensity, int) or isinstance(self.intensity, bool) \
+                or self.intensity < 0:
+            raise InvalidSpec("intensity", self.intensity, "an integer >= 0")
+        if not isinstance(self.period, (int, float)) or isinstance(self.period, bool) \
+                or not self.period > 0:
+            raise InvalidSpec("period", self.period, "a number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """OTP's child spec plus erlay's progress deadlines.
+
+    ``shutdown`` defaults as in OTP: 5 s for a worker, infinity for a supervisor.
+    ``deadlines`` maps a work phase (``"decode_step"``) to the seconds a child holding work
+    in that phase may go without progress before it is declared hung and restarted.
+    ``progress_poll_s`` defaults to a quarter of the tightest deadline (0.05 s to 10 s).
+    """
+
+    id: str
+    start: StartSpec
+    restart: Restart | str = Restart.PERMANENT
+    shutdown: Shutdown | str | float | None = None
+    type: ChildType | str = ChildType.WORKER
+    significant: bool = False
+    deadlines: Mapping[str, float] = field(default_factory=dict)
+    progress_poll_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id or "/" in self.id:
+            raise InvalidSpec("id", self.id, "a non-empty string without '/'")
+        if not isinstance(self.start, StartSpec):
+            raise InvalidSpec(f"{self.id}.start", self.start,
+                              "ActorStart, InProcessStart, SubprocessStart or SupervisorStart")
+        object.__setattr__(self, "restart", _enum(Restart, f"{self.id}.restart", self.restart))
+        object.__setattr__(self, "type", _enum(ChildType, f"{self.id}.type", self.type))
+        if self.shutdown is None:
+            default = INFINITY if self.type is ChildType.SUPERVISOR else Shutdown.parse(5.0)
+            object.__setattr__(self, "shutdown", default)
+        else:
+            object.__setattr__(self, "shutdown", Shutdown.parse(self.shutdown))
+        if not isinstance(self.significant, bool):
+            raise InvalidSpec(f"{self.id}.significant", self.significant, "true or false")
+        if self.significant and self.restart is Restart.PERMANENT:
+            raise InvalidSpec(f"{self.id}.significant", True,
+                              "false for a permanent child (OTP: bad_combination "
+                              "[{restart, permanent}, {significant, true}])")
+        if isinstance(self.start, SupervisorStart) and self.type is not ChildType.SUPERVISOR:
+            raise InvalidSpec(f"{self.id}.type", self.type.value,  # type: ignore[union-attr]
+                              '"supervisor" for a SupervisorStart child')
+        for phase, seconds in self.deadlines.items():
+            if not isinstance(seconds, (int, float)) or not seconds > 0:
+                raise InvalidSpec(f"{self.id}.deadlines.{phase}", seconds, "seconds > 0")
+        if self.progress_poll_s is None:
+            # A quarter of the tightest deadline: a hang is found within 1.25 deadlines, and
+            # a child with a 30 s deadline costs one progress call every 7.5 s.
+            poll = min(self.deadlines.values()) / 4 if self.deadlines else 1.0
+            object.__setattr__(self, "progress_poll_s", min(max(poll, 0.05), 10.0))
+        elif not self.progress_poll_s > 0:
+            raise InvalidSpec(f"{self.id}.progress_poll_s", self.progress_poll_s, "seconds > 0")
+
+    @property
+    def restart_type(self) -> Restart:
+        return self.restart  # type: ignore[return-value]
+
+    @property
+    def child_type(self) -> ChildType:
+        return self.type  # type: ignore[return-value]
+
+    @property
+    def shutdown_policy(self) -> Shutdown:
+        return self.shutdown  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class SupervisorStart(StartSpec):
+    """A nested supervisor run by the same runtime as its parent."""
+
+    flags: SupervisorFlags
+    children: tuple[ChildSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "children", tuple(self.children))
+        validate_children(self.flags, self.children)
+
+
+def validate_children(flags: SupervisorFlags, children: Sequence[ChildSpec]) -> None:
+    """Check a start spec against its flags, as OTP's ``check_startspec`` does.
+
+    Raises InvalidSpec for duplicate ids, a significant child under ``auto_shutdown=never``,
+    or a simple_one_for_one supervisor without exactly one template spec.
+    """
+    seen: set[str] = set()
+    for spec in children:
+        if not isinstance(spec, ChildSpec):
+            raise InvalidSpec("children", spec, "ChildSpec instances")
+        if spec.id in seen:
+            raise InvalidSpec("children", spec.id, "unique child ids (duplicate_child_name)")
+        seen.add(spec.id)
+        validate_significant(flags, spec)
+    if flags.strategy is Strategy.SIMPLE_ONE_FOR_ONE and len(children) != 1:
+        raise InvalidSpec("children", [c.id for c in children],
+                          "exactly one template child spec for simple_one_for_one")
+
+
+def validate_significant(flags: SupervisorFlags, spec: ChildSpec) -> None:
+    """OTP rejects a significant child under a supervisor whose auto_shutdown is never."""
+    if spec.significant and flags.auto_shutdown is AutoShutdown.NEVER:
+        raise InvalidSpec(f"{spec.id}.significant", True,
+                          "false when the supervisor's auto_shutdown is never (OTP: "
+                          "bad_combination [{auto_shutdown, never}, {significant, true}])")
