@@ -1,0 +1,369 @@
+"""Actor children: one dedicated Ray actor per incarnation, restarted by the supervisor.
+
+The user's class is subclassed with a few ``_erlay_*`` methods and made remote with Ray's
+``max_restarts=0``: Ray never restarts it, the supervisor does.
+
+- **Death** is noticed through a pending ``_erlay_monitor`` call, which fails with
+  ``ActorDiedError`` a few milliseconds after the process dies.  Nothing polls for death.
+- **Hang**: ``_erlay_progress`` returns the child's :class:`~supervisor.progress.Progress`
+  snapshot (attribute ``progress``); the supervisor applies the deadlines.
+- **Unavailable** (``ActorUnavailableError``): the child is quarantined and probed until it
+  answers, is confirmed dead, or stays unreachable past ``quarantine_timeout_s``.
+
+Optional hooks on the user's class, sync or async to match the class:
+
+- ``erlay_ready()``: runs before the child counts as started (load a model, boot a host);
+  raising is a start failure.
+- ``erlay_wait()``: return (an ExitReason dict) when the child ends by itself; hosts use it
+  to report that their local supervisor gave up.
+- ``erlay_terminate()``: graceful cleanup on a polite shutdown.  The process is always killed
+  afterwards, so nothing it spawned outlives it unless it detached on purpose.
+
+A synchronous (threaded) class gets a small concurrency group for these methods so a busy
+work method cannot block death monitoring or progress reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import re
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from supervisor.errors import ChildStartError
+from supervisor.events import EventKind, SupervisorEvent
+from supervisor.health import Quarantine, quarantine_verdict
+from supervisor.progress import Progress, ProgressSnapshot
+from supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
+from supervisor.runtime import ChildProcess, StartContext
+from supervisor.spec import ActorStart, Shutdown, ShutdownKind
+
+log = logging.getLogger("erlay.supervisor")
+
+CONFIRM_DEATH_S = 10.0
+_CLASSES: dict[type, Any] = {}
+
+
+def _actor_info() -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    return {"kind": "actor", "pid": os.getpid(), "node_id": ctx.get_node_id(),
+            "actor_id": ctx.get_actor_id()}
+
+
+def _snapshot(obj: Any) -> dict[str, Any] | None:
+    progress = getattr(obj, "progress", None)
+    return progress.snapshot().to_dict() if isinstance(progress, Progress) else None
+
+
+def _is_async_class(cls: type) -> bool:
+    return any(inspect.iscoroutinefunction(getattr(cls, name, None))
+               for name in dir(cls) if not name.startswith("__"))
+
+
+def supervised_class(cls: type) -> Any:
+    """The remote class for ``cls`` with erlay's monitor methods added (cached)."""
+    if cls in _CLASSES:
+        return _CLASSES[cls]
+    if _is_async_class(cls):
+        async def _erlay_ready(self: Any) -> dict[str, Any]:
+            hook = getattr(self, "erlay_ready", None)
+            if hook is not None:
+                result = hook()
+                if inspect.isawaitable(result):
+                    await result
+            return _actor_info()
+
+        async def _erlay_monitor(self: Any) -> Any:
+            hook = getattr(self, "erlay_wait", None)
+            if hook is not None:
+                return await hook()
+            await asyncio.Event().wait()
+            return None
+
+        async def _erlay_progress(self: Any) -> dict[str, Any] | None:
+            return _snapshot(self)
+
+        async def _erlay_stop(self: Any) -> bool:
+            hook = getattr(self, "erlay_terminate", None)
+            if hook is not None:
+                result = hook()
+                if inspect.isawaitable(result):
+                    await result
+            return True
+
+        methods = dict(_erlay_ready=_erlay_ready, _erlay_monitor=_erlay_monitor,
+                       _erlay_progress=_erlay_progress, _erlay_stop=_erlay_stop)
+        options: dict[str, Any] = {}
+    else:
+        group = ray.method(concurrency_group="_erlay")
+
+        def _erlay_ready_s(self: Any) -> dict[str, Any]:
+            hook = getattr(self, "erlay_ready", None)
+            if hook is not None:
+                hook()
+            return _actor_info()
+
+        def _erlay_monitor_s(self: Any) -> Any:
+            hook = getattr(self, "erlay_wait", None)
+            if hook is not None:
+                return hook()
+            import threading
+            threading.Event().wait()
+            return None
+
+        def _erlay_progress_s(self: Any) -> dict[str, Any] | None:
+            return _snapshot(self)
+
+        def _erlay_stop_s(self: Any) -> bool:
+            hook = getattr(self, "erlay_terminate", None)
+            if hook is not None:
+                hook()
+            return True
+
+        methods = {"_erlay_ready": group(_erlay_ready_s), "_erlay_monitor": group(_erlay_monitor_s),
+                   "_erlay_progress": group(_erlay_progress_s),
+                   "_erlay_stop": group(_erlay_stop_s)}
+        options = {"concurrency_groups": {"_erlay": 4}}
+    sub = type(cls.__name__, (cls,), methods)
+    sub.__qualname__ = cls.__qualname__
+    sub.__module__ = cls.__module__
+    remote = ray.remote(**options)(sub) if options else ray.remote(sub)
+    _CLASSES[cls] = remote
+    return remote
+
+
+async def _get(ref: Any) -> Any:
+    return await ref
+
+
+@dataclass(frozen=True)
+class PreferNode:
+    """Placement resolved at each start: on ``node_id`` while that node is alive, else
+    wherever Ray's scheduler puts it.
+
+    Ray's soft node affinity was seen to place actors off a live, idle node shortly after it
+    joined, so erlay pins hard to a live node and drops the pin once the node is dead.
+    """
+
+    node_id: str
+
+    def resolve(self) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if self.node_id in alive:
+            return NodeAffinitySchedulingStrategy(self.node_id, soft=False)
+        return "DEFAULT"
+
+
+def death_reason(exc: BaseException) -> ExitReason:
+    """Classify Ray's actor death into an exit reason; a dead node is ``lost``."""
+    text = " ".join(str(exc).split())
+    lower = text.lower()
+    if "node" in lower and ("died" in lower or "dead" in lower) \
+            and "worker process has died" not in lower:
+        return ExitReason(ExitKind.LOST, "node died")
+    exit_type = re.search(r"Worker exit type: (\w+)", text)
+    detail = re.search(r"Worker exit detail: ([^.]*)", text)
+    if exit_type or detail:
+        summary = ": ".join(m.group(1) for m in (exit_type, detail) if m)
+    else:
+        summary = text[:120]
+    return ExitReason(ExitKind.ERROR, f"actor process died ({summary})")
+
+
+class ActorProcess:
+    """One incarnation of an actor child.  ``handle`` is the Ray actor handle."""
+
+    def __init__(self, handle: Any, ctx: StartContext, info: dict[str, Any],
+                 quarantine_timeout_s: float, probe_interval_s: float) -> None:
+        self.handle = handle
+        self.ctx = ctx
+        self.info = {**info, "actor_name": ctx.path}
+        self._monitor = handle._erlay_monitor.remote()
+        self._forced: ExitReason | None = None
+        self._quarantine_timeout_s = quarantine_timeout_s
+        self._probe_interval_s = probe_interval_s
+        self._pump: asyncio.Task[None] | None = None
+
+    async def wait(self) -> ExitReason:
+        while True:
+            try:
+                result = await self._monitor
+            except ActorUnavailableError as exc:
+                if await self._quarantine(exc) is Quarantine.RECOVERED:
+                    self._monitor = self.handle._erlay_monitor.remote()
+                    continue
+                self._discard()
+                return self._forced or ExitReason(ExitKind.LOST, "unreachable past quarantine")
+            except (ActorDiedError, RayActorError) as exc:
+                self._discard()
+                return self._forced or death_reason(exc)
+            # The monitor returned: the child ended by itself (erlay_wait).
+            await self._confirm_death()
+            if self._forced is not None:
+                return self._forced
+            return ExitReason.from_dict(result) if isinstance(result, dict) else \
+                ExitReason(ExitKind.NORMAL)
+
+    async def _quarantine(self, exc: BaseException) -> Quarantine:
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        self.ctx.notify(EventKind.QUARANTINE, f"unreachable: {type(exc).__name__}")
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            try:
+                await asyncio.wait_for(_get(self.handle._erlay_progress.remote()),
+                                       self._probe_interval_s)
+                probe: bool | None = True
+            except (ActorDiedError, RayActorError) as err:
+                probe = None if isinstance(err, ActorUnavailableError) else False
+            except TimeoutError:
+                probe = None
+            verdict = quarantine_verdict(since, probe, loop.time(), self._quarantine_timeout_s)
+            if verdict is Quarantine.RECOVERED:
+                self.ctx.notify(EventKind.RECOVERED, "answered a probe")
+            if verdict is not Quarantine.PROBE:
+                return verdict
+
+    def _discard(self) -> None:
+        """Make sure the incarnation is gone and its Ray name is free for the next one."""
+        if self._pump is not None:
+            self._pump.cancel()
+        try:
+            ray.kill(self.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self._sigkill_if_local()
+
+    def _sigkill_if_local(self) -> None:
+        # ray.kill of a stopped (SIGSTOP) process lets it linger ~5 s before the raylet
+        # kills it; on our own node we finish the job at once.
+        pid = self.info.get("pid")
+        if pid and self.info.get("node_id") == ray.get_runtime_context().get_node_id():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    async def _confirm_death(self) -> None:
+        """Kill the incarnation and wait until Ray reports it dead, so that no child
+        outlives the moment its supervisor records the exit."""
+        self._discard()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONFIRM_DEATH_S
+        while loop.time() < deadline:
+            try:
+                await asyncio.wait_for(_get(self.handle._erlay_progress.remote()), 1.0)
+            except (ActorDiedError, RayActorError) as exc:
+                if not isinstance(exc, ActorUnavailableError):
+                    return
+            except TimeoutError:
+                pass
+            await asyncio.sleep(0.02)
+        log.warning("%s: no death confirmation within %g s", self.ctx.path, CONFIRM_DEATH_S)
+
+    async def stop(self, shutdown: Shutdown) -> ExitReason:
+        if shutdown.kind is ShutdownKind.BRUTAL_KILL:
+            await self._confirm_death()
+            return KILLED
+        timeout = None if shutdown.kind is ShutdownKind.INFINITY else shutdown.timeout_s
+        try:
+            await asyncio.wait_for(_get(self.handle._erlay_stop.remote()), timeout)
+            reason = SHUTDOWN
+        except TimeoutError:
+            reason = ExitReason(ExitKind.KILLED, "did not stop within its shutdown timeout")
+        except (ActorDiedError, RayActorError) as exc:
+            reason = death_reason(exc)
+        except Exception as exc:  # noqa: BLE001 - erlay_terminate raised
+            reason = from_exception(exc)
+        await self._confirm_death()
+        return reason
+
+    async def kill(self, reason: ExitReason) -> None:
+        self._forced = reason
+        self._discard()
+
+    async def progress(self, timeout_s: float) -> ProgressSnapshot | None:
+        data = await asyncio.wait_for(_get(self.handle._erlay_progress.remote()), timeout_s)
+        return ProgressSnapshot.from_dict(data)
+
+    def start_event_pump(self) -> None:
+        """Forward events from a host actor's local supervisor into ours."""
+        self._pump = asyncio.create_task(self._pump_events(), name=f"{self.ctx.path}:events")
+
+    async def _pump_events(self) -> None:
+        cursor = 0
+        sink = self.ctx.supervisor.sink
+        while True:
+            try:
+                events, cursor = await self.handle.events_since.remote(cursor, 10.0)
+            except (ActorDiedError, RayActorError):
+                return
+            for data in events:
+                sink.emit(SupervisorEvent.from_dict(data))
+
+
+async def _create(remote_cls: Any, opts: dict[str, Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+    """Create the actor; if an old incarnation still holds the name, kill it and retry."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3.0
+    while True:
+        try:
+            return remote_cls.options(**opts).remote(*args, **kwargs)
+        except ValueError as exc:
+            if "already taken" not in str(exc) or loop.time() > deadline:
+                raise
+            try:
+                ray.kill(ray.get_actor(opts["name"]), no_restart=True)
+            except ValueError:
+                pass
+            await asyncio.sleep(0.02)
+
+
+def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float = 30.0,
+                  probe_interval_s: float = 0.5) -> Any:
+    """A starter for :class:`ActorStart` children (see :mod:`supervisor.runtime`)."""
+
+    async def start(ctx: StartContext) -> ChildProcess:
+        start_spec = ctx.spec.start
+        assert isinstance(start_spec, ActorStart)
+        remote_cls = supervised_class(start_spec.cls)
+        opts = {"num_cpus": 0, **start_spec.options, "max_restarts": 0, "name": ctx.path}
+        if isinstance(opts.get("scheduling_strategy"), PreferNode):
+            opts["scheduling_strategy"] = opts["scheduling_strategy"].resolve()
+        kwargs = dict(start_spec.kwargs)
+        if getattr(start_spec.cls, "_erlay_wants_path", False):
+            kwargs["erlay_path"] = ctx.path
+        handle = await _create(remote_cls, opts, (*start_spec.args, *ctx.args), kwargs)
+        try:
+            info = await asyncio.wait_for(_get(handle._erlay_ready.remote()), ready_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - cancelled too: never leak the actor
+            ray.kill(handle, no_restart=True)
+            if isinstance(exc, TimeoutError):
+                raise ChildStartError(ctx.path, f"not ready within {ready_timeout_s:g} s") \
+                    from None
+            raise ChildStartError(ctx.path, _start_failure(exc)) from None
+        proc = ActorProcess(handle, ctx, info, quarantine_timeout_s, probe_interval_s)
+        if getattr(start_spec.cls, "_erlay_event_source", False):
+            proc.start_event_pump()
+        return proc
+
+    return start
+
+
+def _start_failure(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
+    if isinstance(exc, RayActorError) and "__init__" in str(exc):
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        return lines[-1].strip() if lines else "actor constructor failed"
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]

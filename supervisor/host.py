@@ -1,0 +1,157 @@
+"""The node host: one Ray actor per (node, fault domain) that hosts light children.
+
+Sandbox workers, judge workers and environment workers do not each get a Ray actor.  They
+run inside the host of their node and domain, as in-process objects or subprocesses, under a
+local :class:`~supervisor.runtime.Supervisor` that restarts them with no Ray control-plane
+traffic.  This keeps GCS registrations at O(nodes x domains).
+
+The host is itself an actor child of its domain supervisor.  If its local supervisor gives
+up (restart intensity exceeded), ``erlay_wait`` returns that reason and the domain supervisor
+sees the host exit.  If the host's process or node dies, the domain supervisor restarts it;
+with soft node affinity the new host lands on a node that is alive and boots the same
+children there.
+
+The host owns its children's process groups (:class:`~supervisor.procs.ProcessKeeper`): when
+a child or the host stops, nothing they spawned survives, and a reaper covers a SIGKILLed
+host.  ``env`` is forwarded to every subprocess the host spawns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from supervisor.actor_child import PreferNode
+from supervisor.errors import ChildNotRunning
+from supervisor.events import CallbackSink, FanoutSink, LoggingSink, MemorySink
+from supervisor.hosted import InProcessChild
+from supervisor.naming import host_id
+from supervisor.procs import ProcessKeeper
+from supervisor.runtime import Supervisor
+from supervisor.spec import (
+    ActorStart,
+    ChildSpec,
+    InProcessStart,
+    SubprocessStart,
+    SupervisorFlags,
+)
+from supervisor.subprocess_child import SubprocessChild
+
+log = logging.getLogger("erlay.supervisor")
+
+
+class NodeHost:
+    """Hosts in-process and subprocess children for one node and fault domain."""
+
+    _erlay_event_source = True   # the actor starter pumps our events to the parent
+    _erlay_wants_path = True     # the actor starter passes erlay_path=<tree path>
+
+    def __init__(self, flags: SupervisorFlags, children: tuple[ChildSpec, ...],
+                 env: Mapping[str, str] | None = None, *, erlay_path: str) -> None:
+        self.path = erlay_path
+        self.flags = flags
+        self.children = tuple(children)
+        self.env = dict(env or {})
+        self.events = MemorySink()
+        self.keeper = ProcessKeeper(env=self.env)
+        self.sup: Supervisor | None = None
+        self._new_event: asyncio.Event | None = None
+
+    # -- lifecycle hooks used by the actor starter ---------------------------------------
+    async def erlay_ready(self) -> None:
+        self._new_event = asyncio.Event()
+        sink = FanoutSink([self.events, LoggingSink(),
+                           CallbackSink(lambda _e: self._new_event.set())])  # type: ignore[union-attr]
+        starters = {InProcessStart: InProcessChild.start,
+                    SubprocessStart: partial(SubprocessChild.start, keeper=self.keeper)}
+        self.sup = Supervisor(self.path, self.flags, self.children, starters=starters, sink=sink)
+        await self.sup.boot()
+
+    async def erlay_wait(self) -> dict[str, Any]:
+        reason = await self._sup().wait_exit()
+        self.keeper.close()
+        return reason.to_dict()
+
+    async def erlay_terminate(self) -> None:
+        await self._sup().shutdown()
+        self.keeper.close()
+
+    def _sup(self) -> Supervisor:
+        if self.sup is None:
+            raise ChildNotRunning(f"{self.path} has not booted")
+        return self.sup
+
+    # -- calls into hosted children -------------------------------------------------------
+    async def call(self, child_id: str, method: str, args: tuple[Any, ...] = (),
+                   kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Call a method of an in-process child; raises ChildNotRunning while it restarts."""
+        child = self._sup().child(child_id)
+        if not isinstance(child, InProcessChild):
+            raise ChildNotRunning(f"{self.path}/{child_id} is not a running in-process child")
+        return await child.call(method, *args, **dict(kwargs or {}))
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+    # -- the dynamic API, forwarded --------------------------------------------------------
+    async def start_child(self, spec: ChildSpec | None = None, args: tuple[Any, ...] = ()) -> str:
+        return await self._sup().start_child(spec, args)
+
+    async def terminate_child(self, child_id: str) -> None:
+        await self._sup().terminate_child(child_id)
+
+    async def restart_child(self, child_id: str) -> str:
+        return await self._sup().restart_child(child_id)
+
+    async def delete_child(self, child_id: str) -> None:
+        await self._sup().delete_child(child_id)
+
+    async def which_children(self) -> list[dict[str, Any]]:
+        return self._sup().which_children()
+
+    async def count_children(self) -> dict[str, int]:
+        return self._sup().count_children()
+
+    async def events_since(self, cursor: int, wait_s: float) -> tuple[list[dict[str, Any]], int]:
+        """Long-poll: events numbered >= cursor, waiting up to ``wait_s`` for the first."""
+        events, total = self.events.since(cursor)
+        if not events and self._new_event is not None:
+            self._new_event.clear()
+            try:
+                await asyncio.wait_for(self._new_event.wait(), wait_s)
+            except TimeoutError:
+                pass
+            events, total = self.events.since(cursor)
+        return [e.to_dict() for e in events], total
+
+    async def signal_child(self, child_id: str, sig: int = signal.SIGKILL) -> int:
+        """Send a signal to a subprocess child's main process (fault injection); its pid."""
+        child = self._sup().child(child_id)
+        if not isinstance(child, SubprocessChild):
+            raise ChildNotRunning(f"{self.path}/{child_id} is not a running subprocess child")
+        os.kill(child.pid, sig)
+        return child.pid
+
+    async def process_groups(self) -> list[int]:
+        return sorted(self.keeper.groups)
+
+
+def host_spec(node_label: str, flags: SupervisorFlags, children: tuple[ChildSpec, ...],
+              *, node_id: str | None = None, env: Mapping[str, str] | None = None,
+              restart: str = "permanent", shutdown: float | str = "infinity") -> ChildSpec:
+    """The child spec of the host for one node: id ``host@<node>``.
+
+    The host is pinned to its node while the node lives; a restart after the node is gone
+    places it on a live node (see :class:`~supervisor.actor_child.PreferNode`).
+    """
+    options: dict[str, Any] = {"num_cpus": 0}
+    if node_id is not None:
+        options["scheduling_strategy"] = PreferNode(node_id)
+    start = ActorStart(NodeHost, args=(flags, tuple(children), dict(env or {})), options=options)
+    return ChildSpec(host_id(node_label), start, restart=restart, shutdown=shutdown,
+                     type="supervisor")

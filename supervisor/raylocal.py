@@ -1,0 +1,83 @@
+"""Starting or joining Ray the way erlay needs it.
+
+On these machines Ray 2.60 binds the machine's eth0 address unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before Ray starts; with it every server stays
+on 127.0.0.1.  A local Ray is for one user's job, so it stays on loopback.  Ray is imported
+here only after the variable is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray
+
+log = logging.getLogger("erlay.ray")
+
+LOOPBACK = "127.0.0.1"
+
+
+def ensure_ray(address: str | None = None, *, num_cpus: int | None = None,
+               namespace: str = "erlay", include_dashboard: bool | None = None,
+               system_config: dict[str, Any] | None = None,
+               log_to_driver: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """Start a loopback-only local Ray, or attach to ``address`` (or ``RAY_ADDRESS``).
+
+    Does nothing if Ray is already initialised in this process.  Returns Ray's context info.
+    """
+    quiet_worker_death_notices()
+    if ray.is_initialized():
+        return {"address": ray.get_runtime_context().gcs_address, "started": False}
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        info = ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver,
+                        **kwargs)
+        log.info("attached to Ray at %s", address)
+        return {"address": info.address_info.get("gcs_address"), "started": False}
+    init_kwargs: dict[str, Any] = dict(num_cpus=num_cpus, namespace=namespace,
+                                       _node_ip_address=LOOPBACK, log_to_driver=log_to_driver,
+                                       include_dashboard=include_dashboard, **kwargs)
+    if system_config:
+        init_kwargs["_system_config"] = system_config
+    info = ray.init(**init_kwargs)
+    log.info("started a local Ray on loopback (%s)", info.address_info.get("gcs_address"))
+    return {"address": info.address_info.get("gcs_address"), "started": True}
+
+
+def quiet_worker_death_notices() -> None:
+    """Send Ray's "(raylet) A worker died..." notices to the log instead of stdout.
+
+    erlay reports every child death as a structured event; Ray's driver-side notice repeats
+    it as a paragraph on stdout.  The notice printer is a private Ray function, so the patch
+    is applied only when it exists and is otherwise skipped.
+    """
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:
+        return
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_erlay_quiet", False):
+        return
+
+    def printer(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            for line in data.get("lines", []):
+                log.debug("raylet: %s", line)
+            return
+        original(data, ignore_prefix)
+
+    printer._erlay_quiet = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = printer
+
+
+def local_node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    """Ray's alive nodes, each with NodeID, NodeManagerAddress and Resources."""
+    return [n for n in ray.nodes() if n.get("Alive")]

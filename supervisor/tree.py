@@ -1,0 +1,287 @@
+"""A supervision tree for a driver process: the root supervisor in its own event-loop thread,
+with a synchronous API, stable child references and a text rendering.
+
+The root runs in a background thread so that whatever the driver's main thread does (a
+training loop, a progress bar, a blocking ``ray.get``) never delays failure handling.
+
+``SupervisionTree.wait()`` returns the root's exit reason, or raises
+:class:`~supervisor.errors.SupervisorFailed` naming the offending leaf when the root gave up
+because restart intensity was exceeded somewhere below it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, TypeVar
+
+from supervisor.actor_child import ActorProcess, actor_starter
+from supervisor.errors import ChildNotRunning, SupervisorFailed
+from supervisor.events import EventSink, LoggingSink
+from supervisor.hosted import InProcessChild
+from supervisor.procs import ProcessKeeper
+from supervisor.reason import ExitReason
+from supervisor.runtime import ChildProcess, NestedSupervisor, Starter, Supervisor
+from supervisor.spec import (
+    ActorStart,
+    ChildSpec,
+    InProcessStart,
+    StartSpec,
+    SubprocessStart,
+    SupervisorFlags,
+)
+from supervisor.subprocess_child import SubprocessChild
+
+T = TypeVar("T")
+
+
+def default_starters(keeper: ProcessKeeper) -> dict[type[StartSpec], Starter]:
+    return {ActorStart: actor_starter(), InProcessStart: InProcessChild.start,
+            SubprocessStart: partial(SubprocessChild.start, keeper=keeper)}
+
+
+class SupervisionTree:
+    """Run ``flags`` + ``children`` as the root supervisor named ``name``."""
+
+    def __init__(self, name: str, flags: SupervisorFlags, children: list[ChildSpec],
+                 *, sink: EventSink | None = None,
+                 starters: dict[type[StartSpec], Starter] | None = None) -> None:
+        self.name = name
+        self.keeper = ProcessKeeper()
+        self._flags = flags
+        self._children = tuple(children)
+        self._sink = sink or LoggingSink()
+        self._starters = starters or default_starters(self.keeper)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{name}-tree",
+                                        daemon=True)
+        self.root: Supervisor | None = None
+
+    # ------------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float | None = 300) -> SupervisionTree:
+        """Boot the root; raises ChildStartError (and leaves nothing running) on failure."""
+        self._thread.start()
+
+        async def boot() -> Supervisor:
+            root = Supervisor(self.name, self._flags, self._children, starters=self._starters,
+                              sink=self._sink)
+            await root.boot()
+            return root
+
+        try:
+            self.root = self.run(boot, timeout=timeout)
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def run(self, fn: Callable[[], Awaitable[T]], timeout: float | None = 60) -> T:
+        """Run ``fn()`` on the tree's loop and wait for its result."""
+        future = asyncio.run_coroutine_threadsafe(fn(), self._loop)  # type: ignore[arg-type]
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"tree call did not finish within {timeout} s") from None
+
+    def wait(self, timeout: float | None = None) -> ExitReason:
+        """Block until the root terminates; raise SupervisorFailed if it gave up."""
+        reason = self.run(self._root().wait_exit, timeout=timeout)
+        self._close()
+        if reason.offender is not None:
+            raise SupervisorFailed(self.name, failure_message(self.name, reason),
+                                   reason.root_offender, reason.chain)
+        return reason
+
+    def stop(self, timeout: float | None = 120) -> ExitReason:
+        """Shut the whole tree down in reverse start order.  Idempotent."""
+        if self.root is None:
+            return ExitReason.from_dict({"kind": "shutdown"})
+        if not self._loop.is_running():
+            return self.root.state.exit_reason or ExitReason.from_dict({"kind": "shutdown"})
+        reason = self.run(self.root.shutdown, timeout=timeout)
+        self._close()
+        return reason
+
+    def _close(self) -> None:
+        self.keeper.close()
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    @property
+    def thread_native_id(self) -> int | None:
+        """OS thread id of the tree's event loop (where every supervisor runs)."""
+        return self._thread.native_id
+
+    @property
+    def alive(self) -> bool:
+        return self.root is not None and not self.root.exited
+
+    # ----------------------------------------------------------------------- navigation
+    def _root(self) -> Supervisor:
+        if self.root is None:
+            raise ChildNotRunning("the tree has not started")
+        return self.root
+
+    def supervisor(self, path: str) -> Supervisor:
+        """The running supervisor at ``path`` (``erlay/gen``)."""
+        sup = self._root()
+        parts = path.split("/")
+        if parts[0] != self.name:
+            raise KeyError(f"{path} is not under {self.name}")
+        for part in parts[1:]:
+            child = sup.child(part)
+            if not isinstance(child, NestedSupervisor):
+                raise ChildNotRunning(f"{path} is not a running supervisor")
+            sup = child.sup
+        return sup
+
+    def child(self, path: str) -> ChildProcess:
+        """The current incarnation of the child at ``path``."""
+        parent, _, cid = path.rpartition("/")
+        proc = self.supervisor(parent).child(cid)
+        if proc is None:
+            raise ChildNotRunning(f"{path} has no running incarnation")
+        return proc
+
+    # -------------------------------------------------- the dynamic API, synchronously
+    def start_child(self, supervisor: str, spec: ChildSpec | None = None,
+                    args: tuple[Any, ...] = (), timeout: float | None = 300) -> str:
+        """OTP ``start_child`` on the supervisor at path ``supervisor``; the new child's id."""
+        sup = self.supervisor(supervisor)
+        return self.run(lambda: sup.start_child(spec, args), timeout=timeout)
+
+    def terminate_child(self, supervisor: str, child_id: str) -> None:
+        sup = self.supervisor(supervisor)
+        self.run(lambda: sup.terminate_child(child_id), timeout=None)
+
+    def restart_child(self, supervisor: str, child_id: str) -> str:
+        sup = self.supervisor(supervisor)
+        return self.run(lambda: sup.restart_child(child_id), timeout=None)
+
+    def delete_child(self, supervisor: str, child_id: str) -> None:
+        sup = self.supervisor(supervisor)
+        self.run(lambda: sup.delete_child(child_id))
+
+    def which_children(self, supervisor: str) -> list[dict[str, Any]]:
+        sup = self.supervisor(supervisor)
+
+        async def rows() -> list[dict[str, Any]]:
+            return sup.which_children()
+        return self.run(rows)
+
+    def count_children(self, supervisor: str) -> dict[str, int]:
+        sup = self.supervisor(supervisor)
+
+        async def counts() -> dict[str, int]:
+            return sup.count_children()
+        return self.run(counts)
+
+    def ref(self, path: str) -> ChildRef:
+        return ChildRef(self, path)
+
+    # ------------------------------------------------------------------------- snapshots
+    def snapshot(self, timeout: float = 10) -> dict[str, Any]:
+        """The whole tree as nested dicts, hosts' children included."""
+        return self.run(partial(snapshot_supervisor, self._root()), timeout=timeout)
+
+    def render(self, timeout: float = 10) -> str:
+        return render_tree(self.snapshot(timeout))
+
+
+class ChildRef:
+    """A reference that follows a child across restarts.
+
+    For an actor child, ``ref.method.remote(...)`` calls the current incarnation; the lookup
+    is a few dictionary reads, so a supervised call costs about what a raw actor call does.
+    """
+
+    def __init__(self, tree: SupervisionTree, path: str) -> None:
+        self._tree = tree
+        self.path = path
+        parent, _, self._cid = path.rpartition("/")
+        self._parent_path = parent
+        self._sup: Supervisor | None = None
+
+    @property
+    def process(self) -> ChildProcess:
+        sup = self._sup
+        if sup is None or sup.exited:
+            sup = self._sup = self._tree.supervisor(self._parent_path)
+        proc = sup.child(self._cid)
+        if proc is None:
+            raise ChildNotRunning(f"{self.path} has no running incarnation")
+        return proc
+
+    @property
+    def actor(self) -> Any:
+        proc = self.process
+        if not isinstance(proc, ActorProcess):
+            raise TypeError(f"{self.path} is not an actor child")
+        return proc.handle
+
+    @property
+    def incarnation(self) -> int:
+        sup = self._tree.supervisor(self._parent_path)
+        return sup.state.children[self._cid].incarnation
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.actor, name)
+
+
+async def snapshot_supervisor(sup: Supervisor) -> dict[str, Any]:
+    """A supervisor and its subtree as plain data; host actors are asked for their children."""
+    rows = sup.which_children()
+    for row in rows:
+        proc = sup.child(row["id"])
+        if isinstance(proc, NestedSupervisor):
+            row["children"] = (await snapshot_supervisor(proc.sup))["children"]
+            row["strategy"] = proc.sup.state.strategy.value
+        elif isinstance(proc, ActorProcess) and hasattr(proc.handle, "which_children"):
+            try:
+                row["children"] = await asyncio.wait_for(proc.handle.which_children.remote(), 5)
+            except Exception as exc:  # noqa: BLE001 - a host that does not answer is shown so
+                row["children_error"] = f"{type(exc).__name__}"
+    flags = sup.state.flags
+    return {"path": sup.path, "strategy": flags.strategy.value,  # type: ignore[union-attr]
+            "intensity": flags.intensity, "period": flags.period,
+            "status": sup.state.phase.value, "children": rows}
+
+
+def render_tree(snapshot: dict[str, Any]) -> str:
+    """Text rendering: one line per child with status, incarnation, restarts and last exit."""
+    lines = [f"{snapshot['path']}  [{snapshot['strategy']}, {snapshot['intensity']} in "
+             f"{snapshot['period']:g}s]  {snapshot['status']}"]
+
+    def walk(rows: list[dict[str, Any]], prefix: str) -> None:
+        for i, row in enumerate(rows):
+            last = i == len(rows) - 1
+            branch = "└── " if last else "├── "
+            info = row.get("info") or {}
+            where = f" pid={info['pid']}" if info.get("pid") else ""
+            strategy = f" [{row['strategy']}]" if row.get("strategy") else ""
+            exit_note = f"  last exit: {row['last_exit']}" if row.get("last_exit") else ""
+            work = f"  work: {row['phase']}" if row.get("phase") else ""
+            lines.append(f"{prefix}{branch}{row['id']}{strategy}  {row['status']}  "
+                         f"inc={row['incarnation']} restarts={row['restarts']}"
+                         f"{where}{work}{exit_note}")
+            if row.get("children"):
+                walk(row["children"], prefix + ("    " if last else "│   "))
+
+    walk(snapshot["children"], "")
+    return "\n".join(lines)
+
+
+def failure_message(root: str, reason: ExitReason) -> str:
+    chain = " <- ".join(reason.chain) if reason.chain else "?"
+    leaf = reason
+    while leaf.cause is not None:
+        leaf = leaf.cause
+    return (f"supervision tree {root} gave up: {reason.detail}; escalation chain {chain}; "
+            f"offender {reason.root_offender} failed with: {leaf}")

@@ -1,0 +1,56 @@
+"""Shared fixtures.  Ray is real: a loopback-only local cluster started by the tests."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 30.0, interval: float = 0.02,
+             what: str = "condition") -> object:
+    """Poll ``pred`` until it returns something truthy; fail the test after ``timeout``.
+
+    Exceptions from ``pred`` count as "not yet" (a child may be restarting)."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = pred()
+            if value:
+                return value
+        except Exception as exc:
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout} s (last error: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A local Ray for one test module, with more logical CPUs than the machine has."""
+    import ray
+
+    from supervisor.raylocal import ensure_ray
+    if ray.is_initialized():
+        ray.shutdown()
+    ensure_ray(num_cpus=8, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_with_dashboard() -> Iterator[None]:
+    """A local Ray with the dashboard, for tests that use the state API."""
+    import ray
+
+    from supervisor.raylocal import ensure_ray
+    if ray.is_initialized():
+        ray.shutdown()
+    ensure_ray(num_cpus=8, include_dashboard=True)
+    yield
+    ray.shutdown()

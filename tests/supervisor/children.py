@@ -1,0 +1,68 @@
+"""Child classes used by the Ray-level tests.  Importable, so Ray workers can load them."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+from supervisor.progress import Progress
+
+SLEEPER = ("import os, time\n"
+           "fd = os.environ.get('ERLAY_READY_FD')\n"
+           "fd and os.write(int(fd), b'ready\\n')\n"
+           "while True: time.sleep(3600)\n")
+# Spawns a grandchild in the same group, then sleeps: group cleanup must take both.
+FAMILY = ("import os, subprocess, sys, time\n"
+          "subprocess.Popen([sys.executable, '-S', '-c', 'import time; time.sleep(3600)'])\n"
+          "fd = os.environ.get('ERLAY_READY_FD')\n"
+          "fd and os.write(int(fd), b'ready\\n')\n"
+          "while True: time.sleep(3600)\n")
+CRASHER = "import sys; sys.exit(3)\n"
+
+
+def python(code: str) -> tuple[str, ...]:
+    return (sys.executable, "-S", "-c", code)
+
+
+class Engine:
+    """An actor child with progress counters."""
+
+    def __init__(self) -> None:
+        self.progress = Progress()
+        self.n = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def inc(self) -> int:
+        self.n += 1
+        return self.n
+
+    def hold_work(self) -> None:
+        self.progress.begin("decode_step", work="rollout-7")
+
+
+class AsyncEngine:
+    """An async actor child."""
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+
+class DiesAfterStart:
+    """An actor child that dies right after every start: a crash loop."""
+
+    def __init__(self) -> None:
+        threading.Timer(0.3, lambda: os._exit(1)).start()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Echo:
+    def ping(self, x: int = 0) -> int:
+        return x
+
+    def crash(self) -> None:
+        raise RuntimeError("injected")

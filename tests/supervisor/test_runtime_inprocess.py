@@ -1,0 +1,199 @@
+"""The shell with in-process children: real asyncio, real clock, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from supervisor.errors import ChildNotRunning, ChildStartError, SupervisorCallError
+from supervisor.events import EventKind, MemorySink
+from supervisor.hosted import InProcessChild
+from supervisor.progress import Progress
+from supervisor.reason import ExitKind
+from supervisor.runtime import Supervisor
+from supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags, SupervisorStart
+
+STARTED: list[str] = []
+
+
+class Worker:
+    """Counts calls; ``boom`` crashes it; ``stall`` holds work without progress."""
+
+    def __init__(self, name: str = "w", fail: bool = False) -> None:
+        if fail:
+            raise RuntimeError(f"{name} refuses to start")
+        self.name = name
+        self.n = 0
+        self.progress = Progress()
+        STARTED.append(name)
+
+    def ping(self) -> int:
+        self.n += 1
+        return self.n
+
+    def boom(self) -> None:
+        raise RuntimeError("boom")
+
+    def stall(self) -> None:
+        self.progress.begin("decode_step", work="r-1")
+
+
+class Finisher:
+    async def run(self) -> None:
+        await asyncio.sleep(0.01)
+
+
+def spec(cid: str, **kw: Any) -> ChildSpec:
+    args = kw.pop("args", (cid,))
+    return ChildSpec(cid, InProcessStart(Worker, args), **kw)
+
+
+def run(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro_fn(), 20))
+
+
+def make(flags: SupervisorFlags, *specs: ChildSpec, sink: MemorySink | None = None,
+         path: str = "root") -> Supervisor:
+    return Supervisor(path, flags, specs, starters={InProcessStart: InProcessChild.start},
+                      sink=sink or MemorySink())
+
+
+async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+def test_crashing_call_restarts_the_child_with_a_new_incarnation() -> None:
+    async def scenario() -> None:
+        sup = make(SupervisorFlags(intensity=3), spec("a"), spec("b"))
+        await sup.boot()
+        first = sup.child("a")
+        with pytest.raises(RuntimeError, match="boom"):
+            await first.call("boom")  # type: ignore[union-attr]
+        await until(lambda: sup.child("a") is not first and sup.child("a") is not None)
+        assert await sup.child("a").call("ping") == 1  # type: ignore[union-attr]
+        rows = {r["id"]: r for r in sup.which_children()}
+        assert rows["a"]["incarnation"] == 2 and rows["b"]["incarnation"] == 1
+        await sup.shutdown()
+    run(scenario)
+
+
+def test_call_into_a_dead_incarnation_is_refused() -> None:
+    async def scenario() -> None:
+        sup = make(SupervisorFlags(intensity=0), spec("a"))
+        await sup.boot()
+        child = sup.child("a")
+        with pytest.raises(RuntimeError):
+            await child.call("boom")  # type: ignore[union-attr]
+        with pytest.raises(ChildNotRunning):
+            await child.call("ping")  # type: ignore[union-attr]
+        await sup.wait_exit()
+    run(scenario)
+
+
+def test_boot_failure_raises_and_stops_started_children() -> None:
+    async def scenario() -> None:
+        sup = make(SupervisorFlags(), spec("a"), spec("b", args=("b", True)))
+        with pytest.raises(ChildStartError, match="b refuses to start"):
+            await sup.boot()
+        assert sup.exited and sup.child("a") is None
+    run(scenario)
+
+
+def test_escalation_fails_the_root_and_names_the_leaf() -> None:
+    async def scenario() -> None:
+        sink = MemorySink()
+        inner = ChildSpec("inner", SupervisorStart(SupervisorFlags(intensity=0), (spec("bad"),)),
+                          type="supervisor")
+        root = make(SupervisorFlags(intensity=0), spec("ok"), inner, sink=sink)
+        await root.boot()
+        sub = root.child("inner").sup  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError):
+            await sub.child("bad").call("boom")
+        reason = await root.wait_exit()
+        assert reason.root_offender == "root/inner/bad"
+        assert reason.chain == ("root/inner", "root/inner/bad")
+        assert root.child("ok") is None and sub.exited
+        assert [e.supervisor for e in sink.of(EventKind.ESCALATION)] == ["root/inner", "root"]
+    run(scenario)
+
+
+def test_hung_child_is_killed_by_its_deadline_and_restarted() -> None:
+    async def scenario() -> None:
+        sink = MemorySink()
+        sup = make(SupervisorFlags(intensity=3),
+                   spec("a", deadlines={"decode_step": 0.2}, progress_poll_s=0.05), sink=sink)
+        await sup.boot()
+        first = sup.child("a")
+        await first.call("stall")  # type: ignore[union-attr]
+        await until(lambda: sup.child("a") not in (None, first), timeout=3)
+        hangs = sink.of(EventKind.HANG)
+        assert len(hangs) == 1 and "decode_step" in hangs[0].reason
+        exits = sink.of(EventKind.EXIT)
+        assert exits and exits[0].reason.startswith("hang")
+        await sup.shutdown()
+    run(scenario)
+
+
+def test_idle_child_with_deadlines_is_not_declared_hung() -> None:
+    async def scenario() -> None:
+        sink = MemorySink()
+        sup = make(SupervisorFlags(), spec("a", deadlines={"decode_step": 0.1},
+                                           progress_poll_s=0.03), sink=sink)
+        await sup.boot()
+        await asyncio.sleep(0.4)
+        assert sink.of(EventKind.HANG) == [] and sup.child("a") is not None
+        await sup.shutdown()
+    run(scenario)
+
+
+def test_main_loop_returning_is_a_normal_exit() -> None:
+    async def scenario() -> None:
+        sink = MemorySink()
+        sup = make(SupervisorFlags(), ChildSpec("f", InProcessStart(Finisher),
+                                                restart="transient"), sink=sink)
+        await sup.boot()
+        await until(lambda: sup.child("f") is None)
+        assert sup.which_children()[0]["last_exit"] == "normal"
+        assert sink.of(EventKind.RESTART) == []
+        await sup.shutdown()
+    run(scenario)
+
+
+def test_dynamic_api_errors_carry_otp_reasons() -> None:
+    async def scenario() -> None:
+        sup = make(SupervisorFlags(), spec("a"))
+        await sup.boot()
+        with pytest.raises(SupervisorCallError, match="already_started"):
+            await sup.start_child(spec("a"))
+        await sup.terminate_child("a")
+        assert await sup.restart_child("a") == "a"
+        with pytest.raises(SupervisorCallError, match="running"):
+            await sup.delete_child("a")
+        await sup.shutdown()
+        with pytest.raises(SupervisorCallError, match="terminated"):
+            await sup.start_child(spec("b"))
+    run(scenario)
+
+
+def test_simple_one_for_one_instances_restart_independently() -> None:
+    async def scenario() -> None:
+        sup = make(SupervisorFlags("simple_one_for_one", intensity=5),
+                   ChildSpec("w", InProcessStart(Worker)))
+        await sup.boot()
+        ids = [await sup.start_child(args=(f"w{i}",)) for i in range(3)]
+        victim = sup.child(ids[1])
+        with pytest.raises(RuntimeError):
+            await victim.call("boom")  # type: ignore[union-attr]
+        await until(lambda: sup.child(ids[1]) not in (None, victim))
+        assert sup.child(ids[1]).obj.name == "w1"  # type: ignore[union-attr]
+        assert sup.count_children()["active"] == 3
+        reason = await sup.shutdown()
+        assert reason.kind is ExitKind.SHUTDOWN and sup.count_children()["active"] == 0
+    run(scenario)
