@@ -1,0 +1,55 @@
+"""The `erlay` command: the install check and the demo the README runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def erlay(*args: str, env: dict[str, str] | None = None,
+          timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "actors.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                          cwd=ROOT)
+
+
+def fake_supervisord(where: Path) -> None:
+    """A stand-in for supervisord's distribution, which also installs `supervisor/`."""
+    (where / "supervisor").mkdir()
+    (where / "supervisor" / "__init__.py").write_text("# supervisord\n")
+    info = where / "supervisor-4.2.5.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: supervisor\nVersion: 4.2.5\n")
+    (info / "top_level.txt").write_text("supervisor\n")
+    (info / "RECORD").write_text("supervisor/__init__.py,,\n")
+
+
+def test_shadowed_package_is_named_and_erlay_exits(tmp_path: Path) -> None:
+    fake_supervisord(tmp_path)
+    result = erlay("--version", env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 2
+    assert "package 'supervisor'" in result.stderr and "supervisor 4.2.5" in result.stderr
+    assert "own virtual environment" in result.stderr
+
+
+def test_clean_install_passes_the_check() -> None:
+    result = erlay("--version")
+    assert result.returncode == 0 and "erlay 0.1.0" in result.stdout
+
+
+def test_unknown_subcommand_is_a_usage_error() -> None:
+    result = erlay("fly")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+@pytest.mark.ray
+def test_demo_recovers_every_fault_and_exits_zero() -> None:
+    result = erlay("demo", "--kills", "4", "--interval", "0.2", timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4/4 faults recovered" in result.stdout and "0 orphans" in result.stdout
