@@ -31,7 +31,7 @@ from supervisor.errors import ChildNotRunning
 from supervisor.events import CallbackSink, FanoutSink, LoggingSink, MemorySink
 from supervisor.hosted import InProcessChild
 from supervisor.naming import host_id
-from supervisor.procs import ProcessKeeper
+from supervisor.procs import process_keeper
 from supervisor.runtime import Supervisor
 from supervisor.spec import (
     ActorStart,
@@ -58,7 +58,8 @@ class NodeHost:
         self.children = tuple(children)
         self.env = dict(env or {})
         self.events = MemorySink()
-        self.keeper = ProcessKeeper(env=self.env)
+        self.keeper = process_keeper()
+        self.keeper.declared_env.update(self.env)
         self.sup: Supervisor | None = None
         self._new_event: asyncio.Event | None = None
 

@@ -132,3 +132,17 @@ class ProcessKeeper:
             if pgid in self.groups:
                 self.groups.discard(pgid)
                 self._tell(f"-{pgid}")
+
+
+_KEEPER: ProcessKeeper | None = None
+_KEEPER_LOCK = threading.Lock()
+
+
+def process_keeper() -> ProcessKeeper:
+    """The keeper of this process.  A host and every child it hosts spawn through it, so
+    one reaper covers them all."""
+    global _KEEPER
+    with _KEEPER_LOCK:
+        if _KEEPER is None:
+            _KEEPER = ProcessKeeper()
+        return _KEEPER

@@ -22,7 +22,7 @@ from supervisor.actor_child import ActorProcess, actor_starter
 from supervisor.errors import ChildNotRunning, SupervisorFailed
 from supervisor.events import EventSink, LoggingSink
 from supervisor.hosted import InProcessChild
-from supervisor.procs import ProcessKeeper
+from supervisor.procs import ProcessKeeper, process_keeper
 from supervisor.reason import ExitReason
 from supervisor.runtime import ChildProcess, NestedSupervisor, Starter, Supervisor
 from supervisor.spec import (
@@ -50,7 +50,7 @@ class SupervisionTree:
                  *, sink: EventSink | None = None,
                  starters: dict[type[StartSpec], Starter] | None = None) -> None:
         self.name = name
-        self.keeper = ProcessKeeper()
+        self.keeper = process_keeper()
         self._flags = flags
         self._children = tuple(children)
         self._sink = sink or LoggingSink()

@@ -1,0 +1,174 @@
+"""The policy: one small decoder-only transformer shared by the learner and the torch engine.
+
+One model definition serves both sides, so the engine's behaviour logprobs and the learner's
+logprobs come from the same function of the same weights.
+
+Shapes: ``tokens`` and ``positions`` are ``[B, T]``; ``key_mask`` is ``[B, S]`` over every
+key the new tokens may attend to (the cache, then the new tokens), True for real tokens.
+Sequences may be left-padded; positions then count real tokens only.
+
+The KV cache is a list with one ``(k, v)`` pair per layer, each ``[B, H, S, Dh]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    vocab_size: int
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 512
+    max_seq_len: int = 96
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(),
+                                 nn.Linear(cfg.d_ff, cfg.d_model))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        shape = (b, t, self.n_heads, d // self.n_heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            k = torch.cat([cache[0], k], dim=2)
+            v = torch.cat([cache[1], v], dim=2)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.mlp(self.norm2(x))
+        return x, (k, v)
+
+
+class PolicyModel(nn.Module):
+    """Decoder-only transformer with learned positions and an untied output head."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+               cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
+        """Final hidden states ``[B, T, D]`` and the updated cache."""
+        b, t = tokens.shape
+        s = key_mask.shape[1]
+        if int(positions.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} exceeds max_seq_len "
+                             f"{self.cfg.max_seq_len}")
+        # Query i (absolute slot s - t + i) may attend to key j when j <= that slot and key j
+        # is a real token.  A fully masked row (a pad query) would give NaN, so each query
+        # may always see its own slot.
+        slots = torch.arange(s, device=tokens.device)
+        query_slots = slots[s - t:]
+        causal = slots[None, :] <= query_slots[:, None]                      # [T, S]
+        allowed = causal[None] & key_mask[:, None, :]                        # [B, T, S]
+        allowed = allowed | (slots[None, None, :] == query_slots[None, :, None])
+        mask = allowed[:, None]                                              # [B, 1, T, S]
+        x = self.embed(tokens) + self.pos(positions)
+        new_cache: KVCache = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, mask, cache[i] if cache is not None else None)
+            new_cache.append(kv)
+        return self.norm(x), new_cache
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
+        """Logits ``[B, T, V]`` and the updated cache."""
+        h, new_cache = self.hidden(tokens, positions, key_mask, cache)
+        return self.head(h), new_cache
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def left_pad(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
+    """Left-pad ``seqs`` to one length: (tokens, positions, mask), each ``[B, T]``."""
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, seq in enumerate(seqs):
+        if seq:
+            tokens[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = True
+    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    return tokens, positions, mask
+
+
+def sequence_logprobs(model: PolicyModel, prompts: list[list[int]],
+                      completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs of each completion given its prompt, in one forward pass.
+
+    Returns ``(logprobs, mask)``, both ``[B, L]`` with ``L`` the longest completion; entry
+    ``[b, i]`` is log p(completion_b[i] | prompt_b, completion_b[:i]).  Differentiable.
+    """
+    seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
+    tokens, positions, mask = left_pad(seqs)
+    logits, _ = model(tokens, positions, mask)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    width = max((len(c) for c in completions), default=0)
+    out = torch.zeros((len(seqs), width))
+    out_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    total = tokens.shape[1]
+    rows, cols, targets, dest_rows, dest_cols = [], [], [], [], []
+    for b, comp in enumerate(completions):
+        for i, tok in enumerate(comp):
+            slot = total - len(comp) + i          # where the token sits
+            rows.append(b)
+            cols.append(slot - 1)                 # predicted from the slot before
+            targets.append(tok)
+            dest_rows.append(b)
+            dest_cols.append(i)
+    if rows:
+        picked = logp[torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)]
+        out = out.index_put((torch.tensor(dest_rows), torch.tensor(dest_cols)), picked)
+        out_mask[torch.tensor(dest_rows), torch.tensor(dest_cols)] = True
+    return out, out_mask
+
+
+def state_to_numpy(model: nn.Module) -> dict[str, Any]:
+    """Weights as numpy arrays: what travels through the Ray object store."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def load_numpy_state(model: nn.Module, state: dict[str, Any]) -> None:
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
