@@ -38,7 +38,11 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None,
                         **kwargs)
         log.info("attached to Ray at %s", address)
         return {"address": info.address_info.get("gcs_address"), "started": False}
-    init_kwargs: dict[str, Any] = dict(num_cpus=num_cpus, namespace=namespace,
+    # address="local" always starts a new instance: a bare ray.init() would attach to
+    # whatever cluster this machine started last (/tmp/ray/ray_current_cluster), which
+    # is another user's job, or a test's, and then rejects num_cpus.
+    init_kwargs: dict[str, Any] = dict(address="local", num_cpus=num_cpus,
+                                       namespace=namespace,
                                        _node_ip_address=LOOPBACK, log_to_driver=log_to_driver,
                                        include_dashboard=include_dashboard, **kwargs)
     if system_config:
