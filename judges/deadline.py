@@ -1,0 +1,84 @@
+"""Time budgets for blocking judge code: one daemon thread per call, abandoned on overrun.
+
+Why a fresh thread per call and not a pool: Python cannot interrupt a thread, so a call that
+overruns its budget keeps its thread until it finishes on its own.  In a pool it would hold a
+worker, and a few such calls would starve every later one; worse, ``ThreadPoolExecutor``
+joins its threads at interpreter exit, so one wedged judgement would hang the host's
+shutdown.  A daemon thread costs about a tenth of a millisecond to start and never blocks
+exit.
+
+Limit, stated plainly: a budget is enforced only while the overrunning code lets go of the
+GIL (pure-Python loops do, every few milliseconds).  C code that holds the GIL, such as a
+huge-integer power inside sympy, freezes the whole process, budget or not.  Judges therefore
+screen inputs that could trigger such work *before* doing it, and the supervisor's progress
+deadline for the ``judge_call`` phase is the backstop that restarts a frozen host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from supervisor.errors import ErlayError
+
+T = TypeVar("T")
+
+
+class BudgetExceeded(ErlayError, TimeoutError):
+    """A bounded call did not finish within its budget; its thread was abandoned."""
+
+
+def call_with_budget(fn: Callable[..., T], *args: Any, budget_s: float,
+                     name: str = "erlay-judge", **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` run in a daemon thread: its value, or its exception re-raised
+    here, or :class:`BudgetExceeded` when it has not finished after ``budget_s`` seconds."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(budget_s)
+    if not outcome:
+        raise BudgetExceeded(f"{name}: not finished within {budget_s:g} s")
+    ok, value = outcome[0]
+    if ok:
+        return value  # type: ignore[no-any-return]
+    raise value
+
+
+def run_in_thread(fn: Callable[..., T], *args: Any, name: str = "erlay-judge",
+                  **kwargs: Any) -> asyncio.Future[T]:
+    """A future of the running loop resolved with ``fn(*args, **kwargs)`` computed in a new
+    daemon thread.  Cancelling the future (as ``asyncio.wait_for`` does on timeout) abandons
+    the thread; its late result is dropped."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def target() -> None:
+        value: Any
+        try:
+            ok, value = True, fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            ok, value = False, exc
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:
+            pass  # the loop closed while the call overran; nobody is waiting any more
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
