@@ -1,3 +1,32 @@
-"""RL environments (tasks, multi-turn tool use), pluggable by import path."""
+"""RL environments (tasks, multi-turn tool use), pluggable by import path.
+
+- :mod:`environments.base`: the contract every environment keeps (:class:`Environment`,
+  :class:`Episode`, :class:`StepResult`, :class:`ToolCall`) and :func:`load_environment`.
+- :mod:`environments.arithmetic`: multi-digit addition with carries, single turn.
+- :mod:`environments.tool_use`: compute with a Python tool call, then answer; multi-turn.
+
+A new environment is one class implementing :class:`Environment`, named in the job config as
+``"module:Class"``; nothing in erlay needs editing.
+"""
 
 ERLAY_PACKAGE = "environments"  # marker checked by `erlay` to detect a shadowing distribution
+
+from environments.base import (  # noqa: E402
+    Environment,
+    Episode,
+    EpisodeStateError,
+    EpisodeStatus,
+    Failure,
+    InvalidEnvironmentConfig,
+    InvalidStepResult,
+    StepResult,
+    ToolCall,
+    load_environment,
+    tool_output_from_result,
+)
+
+__all__ = [
+    "Environment", "Episode", "EpisodeStateError", "EpisodeStatus", "Failure",
+    "InvalidEnvironmentConfig", "InvalidStepResult", "StepResult", "ToolCall",
+    "load_environment", "tool_output_from_result",
+]
