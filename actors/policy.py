@@ -89,7 +89,7 @@ class PolicyModel(nn.Module):
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
                cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
         """Final hidden states ``[B, T, D]`` and the updated cache."""
-        b, t = tokens.shape
+        t = tokens.shape[1]
         s = key_mask.shape[1]
         if int(positions.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(positions.max())} exceeds max_seq_len "
@@ -135,15 +135,20 @@ def left_pad(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
 
 
 def sequence_logprobs(model: PolicyModel, prompts: list[list[int]],
-                      completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                      completions: list[list[int]],
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs of each completion given its prompt, in one forward pass.
 
     Returns ``(logprobs, mask)``, both ``[B, L]`` with ``L`` the longest completion; entry
-    ``[b, i]`` is log p(completion_b[i] | prompt_b, completion_b[:i]).  Differentiable.
+    ``[b, i]`` is log p(completion_b[i] | prompt_b, completion_b[:i]) under
+    ``softmax(logits / temperature)``, the distribution the engine sampled from (a
+    temperature of 0, greedy decoding, is scored at 1 as the engine does).  Differentiable.
     """
     seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     tokens, positions, mask = left_pad(seqs)
     logits, _ = model(tokens, positions, mask)
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     logp = torch.log_softmax(logits.float(), dim=-1)
     width = max((len(c) for c in completions), default=0)
     out = torch.zeros((len(seqs), width))

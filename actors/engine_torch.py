@@ -1,0 +1,387 @@
+"""The built-in ``torch`` generation engine: an async Ray actor run as a supervised child.
+
+Run it as ``ChildSpec("engine", ActorStart(TorchEngine, kwargs={...}),
+deadlines={"decode_step": ...})``.  It implements :class:`actors.engine_api.EngineProtocol`.
+
+One decode loop (an asyncio task, started by the first call that needs it) owns the model and
+the :class:`~actors.engine_core.DecodeBatch`.  Between two steps it applies, in order: a pending
+weight update, aborts, and admission of waiting requests (continuous batching, up to
+``max_batch`` running).  Each forward pass runs in a worker thread, so the actor's event loop
+keeps answering progress polls, aborts and weight updates while the model computes.
+
+Contracts:
+
+- **Streaming**: ``generate`` is an async generator; Ray 2.60 streams such methods without any
+  decorator (``num_returns="streaming"`` is the default for generator methods).  A request the
+  engine cannot serve fails on the caller's first ``await ref`` with
+  :class:`~actors.engine_api.InvalidRequest` (a ValueError).  A ``generate`` call that is
+  cancelled in the actor, or whose generator is closed early, aborts its request.
+- **Weight updates**: applied between steps.  Every token not yet streamed is flushed first,
+  tagged with the old version, so no chunk mixes versions.  Running requests are then
+  prefilled again under the new weights instead of reusing the old KV cache: the tokens after
+  the update are exactly what a resume from the streamed prefix would produce on any engine
+  serving the new version, which keeps the replay invariant.  Updates queued during one step
+  collapse into the newest.
+- **Progress**: ``begin("decode_step", work="<n> requests")`` while holding requests, one tick
+  per step (prefill included), ``begin("weight_update")`` during a load, ``end()`` when idle.
+  A wedged forward pass stops the ticks, and the supervisor's deadline fires.
+- **Concurrency**: every open ``generate`` stream holds one of the actor's concurrent calls
+  (Ray's default for async actors is 1000), and progress polls need one too; a caller that
+  keeps more streams open per engine should raise ``max_concurrency`` in the ActorStart
+  options.
+- **Failure**: if the decode loop raises, every held request fails with
+  :class:`~actors.engine_api.EngineFailed`, later calls are refused, and ``erlay_wait``
+  returns an error exit so the supervisor restarts the engine (let it crash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.engine_api import (
+    EngineFailed,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    TokenChunk,
+    WeightsMismatch,
+)
+from actors.engine_core import DecodeBatch, Sequence, validate_request
+from actors.policy import PolicyConfig, PolicyModel, load_numpy_state
+from supervisor.progress import Progress
+from supervisor.reason import ExitKind, ExitReason
+
+log = logging.getLogger("erlay.engine")
+
+
+@dataclass
+class _Stream:
+    """A request's sequence and the queue its ``generate`` call reads chunks from."""
+
+    seq: Sequence
+    queue: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class _Counters:
+    tokens_generated: int = 0
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    waves: int = 0
+    decode_steps: int = 0
+    weight_updates: int = 0
+    max_batch_size: int = 0
+
+
+def check_state(model: PolicyModel, state: dict[str, Any]) -> None:
+    """Raise :class:`WeightsMismatch` unless ``state`` has exactly the model's tensors and
+    shapes.  Checked before loading, because ``load_state_dict`` copies tensor by tensor and a
+    late mismatch would leave the model half-updated."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    reshaped = sorted(k for k in set(expected) & set(state)
+                      if tuple(np.shape(state[k])) != expected[k])
+    if missing or unexpected or reshaped:
+        raise WeightsMismatch(f"weights do not fit the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}, reshaped {reshaped[:5]}")
+
+
+def _load(model: PolicyModel, state: dict[str, Any]) -> None:
+    arrays = {k: np.asarray(v) for k, v in state.items()}
+    # Arrays from the Ray object store are read-only, and torch warns on wrapping those.
+    load_numpy_state(model, {k: a if a.flags.writeable else a.copy() for k, a in arrays.items()})
+
+
+class TorchEngine:
+    """Async Ray actor class (all public methods async) run by the supervisor as an ActorStart
+    child.  See the module docstring for the contracts."""
+
+    def __init__(self, model_config: dict[str, Any], *, max_batch: int = 64,
+                 torch_threads: int = 1, initial_state: dict[str, Any] | None = None,
+                 version: int = 0, seed: int = 0) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        # Explicit, because the engine shares a couple of cores with everything else.
+        torch.set_num_threads(torch_threads)
+        self.config = PolicyConfig(**model_config)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.model = PolicyModel(self.config).eval()
+        if initial_state is not None:
+            check_state(self.model, initial_state)
+            _load(self.model, initial_state)
+        self.max_batch = max_batch
+        self.progress = Progress()
+        self._version = int(version)
+        self._batch = DecodeBatch(self.model)
+        self._pending: deque[Sequence] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._update: tuple[int, dict[str, Any]] | None = None
+        self._update_waiters: list[asyncio.Future[int]] = []
+        self._wake = asyncio.Event()
+        self._failed = asyncio.Event()
+        self._failure: EngineFailed | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._phase: tuple[str, str | None] | None = None
+        self._counters = _Counters()
+
+    # ----------------------------------------------------------------------- protocol
+    async def generate(self, request: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """Stream TokenChunk dicts for one GenerationRequest dict (see EngineProtocol)."""
+        stream = self._submit(GenerationRequest.from_dict(request))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item.to_dict()
+                if item.finished:
+                    return
+        finally:
+            if not stream.seq.closed:
+                # The consumer went away (cancelled, or the generator was closed early).
+                self._abort(stream)
+
+    async def generate_many(self, requests: list[dict[str, Any]]
+                            ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """Stream the chunks of many requests through one call: each item is a list of
+        TokenChunk dicts, in order within each request, until every request has finished.
+
+        The requests decode in the same batch either way; this only saves a Ray call and a
+        stream per request, which dominates the cost of short rollouts.  Every request is
+        validated before any is admitted, so an invalid one fails the call and starts none.
+        """
+        parsed = [GenerationRequest.from_dict(r) for r in requests]
+        for request in parsed:
+            validate_request(request, self.config.vocab_size, self.config.max_seq_len)
+        shared: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+        streams = [self._submit(request, shared) for request in parsed]
+        open_streams = len(streams)
+        try:
+            while open_streams:
+                items = [await shared.get()]
+                while not shared.empty():
+                    items.append(shared.get_nowait())
+                out = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    out.append(item.to_dict())
+                    open_streams -= item.finished
+                yield out
+        finally:
+            for stream in streams:
+                if not stream.seq.closed:
+                    self._abort(stream)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` at the next step; False if the engine does not hold it."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        self._abort(stream)
+        return True
+
+    async def update_weights(self, version: int, state: dict[str, Any]) -> int:
+        """Serve ``state`` as ``version`` from the next step on; returns the version served."""
+        self._raise_if_failed()
+        check_state(self.model, state)
+        if version < self._version:
+            log.warning("weights v%d replace newer v%d", version, self._version)
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._update = (int(version), state)
+        self._update_waiters.append(waiter)
+        self._ensure_loop()
+        self._wake.set()
+        return await waiter
+
+    async def version(self) -> int:
+        return self._version
+
+    async def stats(self) -> dict[str, Any]:
+        c = self._counters
+        return EngineStats(
+            version=self._version, tokens_generated=c.tokens_generated,
+            requests_submitted=c.requests_submitted, requests_finished=c.requests_finished,
+            requests_aborted=c.requests_aborted, waves=c.waves, decode_steps=c.decode_steps,
+            weight_updates=c.weight_updates, running=len(self._batch),
+            pending=len(self._pending), max_batch=self.max_batch,
+            max_batch_size=c.max_batch_size,
+            mean_batch_size=round(c.tokens_generated / c.decode_steps, 3)
+            if c.decode_steps else 0.0).to_dict()
+
+    # ------------------------------------------------------------------ supervisor hooks
+    async def erlay_wait(self) -> dict[str, Any]:
+        """Returns (an error exit) only if the decode loop died; see the module docstring."""
+        await self._failed.wait()
+        return ExitReason(ExitKind.ERROR, str(self._failure)).to_dict()
+
+    def erlay_terminate(self) -> None:
+        """Polite shutdown: end every stream with an abort chunk, then stop the decode loop."""
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(stream.seq.final_abort_chunk(self._version))
+        self._streams.clear()
+        self._pending.clear()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+
+    # --------------------------------------------------------------------- submission
+    def _submit(self, request: GenerationRequest,
+                queue: asyncio.Queue[TokenChunk | BaseException] | None = None) -> _Stream:
+        self._raise_if_failed()
+        validate_request(request, self.config.vocab_size, self.config.max_seq_len)
+        if request.request_id in self._streams:
+            raise InvalidRequest(f"request {request.request_id} is already being generated")
+        stream = _Stream(Sequence(request)) if queue is None else \
+            _Stream(Sequence(request), queue=queue)
+        self._streams[request.request_id] = stream
+        self._counters.requests_submitted += 1
+        if stream.seq.finished:  # resumed after its stop token: nothing left to generate
+            self._publish(stream.seq)
+            return stream
+        self._pending.append(stream.seq)
+        self._ensure_loop()
+        self._wake.set()
+        return stream
+
+    def _abort(self, stream: _Stream) -> None:
+        seq = stream.seq
+        if seq in self._pending:
+            self._pending.remove(seq)
+            seq.finish(FinishReason.ABORT)
+            self._publish(seq)
+        else:
+            # In the batch: a worker thread may be stepping it, so only the loop may finish it.
+            seq.abort_requested = True
+            self._wake.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    # --------------------------------------------------------------------- decode loop
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(
+                self._decode_loop(), name="torch-engine-decode")
+
+    async def _decode_loop(self) -> None:
+        try:
+            while True:
+                if self._update is not None:
+                    await self._apply_update()
+                self._apply_aborts()
+                if not self._batch.rows and not self._pending:
+                    self._set_phase(None)
+                    if self._update is None:
+                        self._wake.clear()
+                        await self._wake.wait()
+                    continue
+                await self._decode_step()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # top-level loop: log, fail the requests, exit
+            log.exception("torch engine decode loop failed")
+            self._fail(exc)
+
+    async def _decode_step(self) -> None:
+        batch = self._batch
+        room = self.max_batch - len(batch)
+        admitted = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+        self._set_phase("decode_step", f"{len(batch) + len(admitted) + len(self._pending)} "
+                                       "requests")
+        if admitted:
+            await asyncio.to_thread(batch.admit, admitted)
+            self._counters.waves += 1
+            self.progress.tick()
+        rows = list(batch.rows)
+        self._counters.max_batch_size = max(self._counters.max_batch_size, len(rows))
+        await asyncio.to_thread(batch.step)
+        self._counters.decode_steps += 1
+        self._counters.tokens_generated += len(rows)
+        self.progress.tick()
+        for seq in rows:
+            self._publish(seq)
+
+    def _apply_aborts(self) -> None:
+        aborted = [s for s in self._batch.rows if s.abort_requested]
+        if not aborted:
+            return
+        for seq in aborted:
+            seq.finish(FinishReason.ABORT)
+        self._batch.drop_finished()
+        for seq in aborted:
+            self._publish(seq)
+
+    async def _apply_update(self) -> None:
+        assert self._update is not None
+        # Flush first: everything sampled so far belongs to the old version.
+        for seq in self._batch.rows:
+            self._publish(seq, flush=True)
+        version, state = self._update
+        waiters, self._update_waiters = self._update_waiters, []
+        self._update = None
+        self._set_phase("weight_update", f"v{version}")
+        try:
+            await asyncio.to_thread(_load, self.model, state)
+        except BaseException as exc:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(exc)
+            raise
+        self._version = version
+        self._counters.weight_updates += 1
+        # Prefill the running requests again under the new weights (module docstring).
+        self._pending.extendleft(reversed(self._batch.release()))
+        log.info("torch engine serves v%d", version)
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(version)
+
+    def _publish(self, seq: Sequence, *, flush: bool = False) -> None:
+        """Hand ``seq``'s due chunk to its stream; forget the stream once it finished."""
+        chunk = seq.take_chunk(self._version, flush=flush)
+        stream = self._streams.get(seq.request_id)
+        if chunk is None or stream is None or stream.seq is not seq:
+            return
+        stream.queue.put_nowait(chunk)
+        if chunk.finished:
+            del self._streams[seq.request_id]
+            if chunk.finish_reason == FinishReason.ABORT:
+                self._counters.requests_aborted += 1
+            else:
+                self._counters.requests_finished += 1
+
+    def _set_phase(self, phase: str | None, work: str | None = None) -> None:
+        # begin() bumps the counter, so only call it when the phase or the work changes.
+        if phase is None:
+            if self._phase is not None:
+                self.progress.end()
+            self._phase = None
+        elif self._phase != (phase, work):
+            self.progress.begin(phase, work)
+            self._phase = (phase, work)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = EngineFailed(f"decode loop failed: {type(exc).__name__}: {exc}")
+        for stream in self._streams.values():
+            stream.queue.put_nowait(self._failure)
+        self._streams.clear()
+        self._pending.clear()
+        for waiter in self._update_waiters:
+            if not waiter.done():
+                waiter.set_exception(self._failure)
+        self._update_waiters = []
+        self._set_phase(None)
+        self._failed.set()

@@ -1,0 +1,109 @@
+"""Per-position seeded sampling: the noise for a token is a pure function of (seed, position).
+
+Nothing here keeps RNG state.  The uniform draw for completion position ``p`` of a request with
+sampling seed ``s`` is ``uniform(s, p)``, so any rollout can be regenerated exactly, and a
+rollout resumed from a journaled prefix of length ``p`` on another engine continues with
+position ``p`` and produces the same tokens the first engine would have.  Batch composition,
+engine restarts and process boundaries do not enter the computation.
+
+Sampling is inverse-CDF over the float64 softmax of ``logits / temperature``: the token is the
+first whose cumulative probability exceeds ``u``.  Float64 keeps the CDF accurate enough that
+the last-bit noise of batched float32 logits essentially never moves ``u`` across a boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One splitmix64 output for state ``x`` (Steele, Lea & Flood 2014): a strong 64-bit mixer."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) determined by ``(seed, position)`` alone.
+
+    Counter-based: the seed is mixed first, then the position is folded in and mixed again, so
+    neighbouring positions and neighbouring seeds give unrelated draws.  ``seed`` may be any
+    int (it is taken modulo 2**64); ``position`` must be >= 0.
+    """
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return (z >> 11) * 2.0 ** -53  # the top 53 bits: every double in [0, 1) on a 2**-53 grid
+
+
+def sample_token(logits_row: torch.Tensor, temperature: float, seed: int,
+                 position: int) -> tuple[int, float]:
+    """Sample one token from ``logits_row`` (``[V]``) and return ``(token, logprob)``.
+
+    With ``temperature > 0`` the token is drawn by inverse CDF with ``u = uniform(seed,
+    position)`` over ``softmax(logits / temperature)`` in float64, and the logprob is the
+    token's log-probability under that same tempered distribution: the behaviour logprob.
+    A token of probability zero is never returned.
+
+    With ``temperature == 0`` the token is the argmax (the lowest id among ties) and the
+    logprob is taken under the *untempered* softmax (temperature 1).  The greedy policy is a
+    point mass whose logprob would always be 0 and tell the learner nothing; the temperature-1
+    value is what :func:`actors.policy.sequence_logprobs` computes for the same token, so it can
+    be compared with the learner's logprob directly.
+
+    Raises ValueError for a non-1-D row, a negative or non-finite temperature, or logits with
+    no finite probability mass (NaN weights must fail loudly, not sample garbage).
+    """
+    if logits_row.dim() != 1:
+        raise ValueError(f"logits_row must be 1-D, got shape {tuple(logits_row.shape)}")
+    return sample_token_f64(logits_row.detach().to(torch.float64).cpu().numpy(), temperature,
+                            seed, position)
+
+
+def sample_token_f64(logits_row: np.ndarray, temperature: float, seed: int,
+                     position: int) -> tuple[int, float]:
+    """:func:`sample_token` on a float64 numpy row: the same computation, minus the conversion.
+
+    The engine converts a whole batch of logits once per step and samples each row with this;
+    since float32 -> float64 is exact, the result is bit-for-bit what :func:`sample_token`
+    returns for the same row.  (numpy, not torch, because per-call overhead dominates on rows
+    this small.)
+    """
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    z = logits_row if temperature in (0, 1) else logits_row / temperature
+    top = z.max()
+    weights = np.exp(z - top)
+    # Unnormalised CDF; scaling u by its total (rather than normalising) keeps the draw inside
+    # the CDF despite rounding.
+    cdf = np.cumsum(weights)
+    total = float(cdf[-1])
+    if not math.isfinite(total) or total <= 0:
+        raise ValueError("logits have no finite probability mass")
+    if temperature == 0:
+        token = int(np.argmax(z))
+    else:
+        token = int(np.searchsorted(cdf, total * uniform(seed, position), side="right"))
+        # u * total can round up to total itself; fall back to the last token with mass
+        # rather than the last id, which may have probability zero.
+        token = min(token, int(np.searchsorted(cdf, total, side="left")))
+    return token, float(z[token] - top) - math.log(total)
+
+
+def rollout_seed(base_seed: int, rollout_id: str) -> int:
+    """The sampling seed of rollout ``rollout_id`` in a job seeded ``base_seed``.
+
+    blake2b, not ``hash()``: the value must be the same in every process and on every run
+    (Python salts string hashes per process).  The result is in [0, 2**63), so it also fits a
+    signed 64-bit integer.
+    """
+    digest = hashlib.blake2b(f"{int(base_seed)}\x00{rollout_id}".encode(),
+                             digest_size=8, person=b"erlay-seed").digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
