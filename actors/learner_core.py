@@ -1,0 +1,532 @@
+"""The learner's state and update rules, without Ray: what :class:`actors.learner.Learner`
+runs inside its actor, and what the unit tests drive directly.
+
+Contracts:
+
+- **Versions.** The policy version starts at 0 and grows by one after every ``train_step``
+  and after every ``sft`` call (one call, however many steps it takes).  Weights carry the
+  version they were published with, and trajectories carry per-token versions, so staleness
+  is always ``learner_version - oldest token version``.
+- **Determinism.** Same seed, same calls, same thread count: bit-identical weights.  The
+  model is initialised from ``seed`` and minibatches are contiguous slices (no shuffling), so
+  the only RNG state is torch's and Python's, both of which travel in :meth:`state`.
+- **Checkpoints.** ``load_state(state())`` restores the learner exactly: every later call
+  gives the same result as it would have on the learner that produced the state.
+- **Data parallelism.** With ``world_size > 1`` every rank receives the *same* batch and
+  trains on its contiguous shard of the completions; gradients are summed over ranks with
+  gloo and each rank's loss is scaled so the result is the token mean over the whole batch.
+  The ranks therefore take the same step a single learner would on the whole batch (up to
+  float summation order).  The process group forms lazily, at the first collective, because
+  the supervisor starts children one at a time and a rank that blocked in its constructor
+  waiting for its peers would never let the next one start.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+from torch import distributed as dist
+
+from actors.grpo import group_advantages, grpo_loss
+from actors.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
+from supervisor.progress import Progress
+
+log = logging.getLogger("erlay.learner")
+
+STATE_FORMAT = 1
+LOOPBACK = "127.0.0.1"
+# Loss statistics averaged over minibatches, weighted by their token counts.
+_TOKEN_WEIGHTED = ("loss", "clip_fraction", "is_weight_mean", "is_weight_max_hit_fraction",
+                   "kl", "ratio_mean", "approx_kl")
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Completed, judged rollouts for one learner step, as GRPO groups.
+
+    Row ``i`` is one completion of ``prompt_ids[i]``; rows come group by group, ``group_size``
+    completions of the same prompt in a row.  Per completion token: the behaviour logprob the
+    engine sampled it with, the policy version that produced it (segments of one completion
+    may differ when a weight update landed mid-rollout; -1 for tokens no policy produced,
+    such as tool output), and whether it is trained on
+    (``loss_mask``; tool output injected into a multi-turn completion is not).  Validated on
+    construction; a bad batch raises ValueError naming the row.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    versions: list[list[int]]
+    rewards: list[float]
+    group_size: int
+    rollout_ids: list[str]
+    loss_mask: list[list[bool]] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        columns: dict[str, Sequence[Any]] = {
+            "prompt_ids": self.prompt_ids, "behaviour_logprobs": self.behaviour_logprobs,
+            "versions": self.versions, "rewards": self.rewards, "rollout_ids": self.rollout_ids}
+        if self.loss_mask is not None:
+            columns["loss_mask"] = self.loss_mask
+        for name, column in columns.items():
+            if len(column) != n:
+                raise ValueError(f"{name} has {len(column)} rows, completion_ids has {n}")
+        if n == 0:
+            raise ValueError("a train batch needs at least one completion")
+        if self.group_size < 1 or n % self.group_size:
+            raise ValueError(f"{n} completions do not split into groups of {self.group_size}")
+        for i in range(n):
+            self._check_row(i)
+
+    def _check_row(self, i: int) -> None:
+        width = len(self.completion_ids[i])
+        if not self.prompt_ids[i]:
+            raise ValueError(f"row {i}: the prompt is empty")
+        per_token: list[tuple[str, Sequence[Any]]] = [
+            ("behaviour_logprobs", self.behaviour_logprobs[i]), ("versions", self.versions[i])]
+        if self.loss_mask is not None:
+            per_token.append(("loss_mask", self.loss_mask[i]))
+        for name, row in per_token:
+            if len(row) != width:
+                raise ValueError(f"row {i}: {name} has {len(row)} entries for "
+                                 f"{width} completion tokens")
+        # Untrained tokens (tool output) may carry no real behaviour logprob; trained ones must.
+        if any(t and math.isnan(lp) for t, lp in zip(self.token_mask(i),
+                                                     self.behaviour_logprobs[i], strict=True)):
+            raise ValueError(f"row {i} ({self.rollout_ids[i]}): a trained token has a NaN "
+                             f"behaviour logprob")
+        if not math.isfinite(self.rewards[i]):
+            raise ValueError(f"row {i} ({self.rollout_ids[i]}): reward {self.rewards[i]} "
+                             f"is not finite")
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def token_mask(self, i: int) -> list[bool]:
+        """Which tokens of completion ``i`` are trained on."""
+        if self.loss_mask is None:
+            return [True] * len(self.completion_ids[i])
+        return list(self.loss_mask[i])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists and numbers (copies): cheap for Ray to serialise, readable in a
+        journal.  Copied row by row; ``dataclasses.asdict`` is ~10x slower on these lists."""
+        rows = {name: [list(row) for row in getattr(self, name)] for name in
+                ("prompt_ids", "completion_ids", "behaviour_logprobs", "versions")}
+        return {**rows, "rewards": list(self.rewards), "group_size": self.group_size,
+                "rollout_ids": list(self.rollout_ids),
+                "loss_mask": None if self.loss_mask is None else
+                [list(row) for row in self.loss_mask]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainBatch:
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown train batch fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+def rl_learning_rate(base: float, step: int, decay_steps: int, min_ratio: float) -> float:
+    """Cosine decay from ``base`` to ``base * min_ratio`` over ``decay_steps`` RL steps, then
+    flat; ``decay_steps = 0`` keeps ``base``.  Pure, so a resumed learner recomputes it."""
+    if decay_steps <= 0:
+        return base
+    progress = min(step, decay_steps) / decay_steps
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def staleness_stats(versions: list[list[int]], learner_version: int) -> dict[str, float]:
+    """How many versions behind the learner each trajectory's oldest token is.
+
+    Versions below 0 (tokens no policy produced) are ignored, and trajectories with no
+    policy tokens are left out.  Negative staleness is possible (and harmless) right after
+    the learner reloads a checkpoint older than the engines' weights.
+    """
+    made = [[x for x in v if x >= 0] for v in versions]
+    lags = [learner_version - min(v) for v in made if v]
+    if not lags:
+        return {"staleness_mean": 0.0, "staleness_max": 0.0, "staleness_min": 0.0}
+    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
+            "staleness_min": float(min(lags))}
+
+
+def shard(indices: list[int], parts: int, index: int) -> list[int]:
+    """Contiguous part ``index`` of ``parts`` near-equal parts of ``indices`` (may be empty)."""
+    base, extra = divmod(len(indices), parts)
+    start = index * base + min(index, extra)
+    return indices[start:start + base + (1 if index < extra else 0)]
+
+
+def pad_rows(rows: list[list[Any]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Right-pad ragged rows with zeros (False) to ``[len(rows), width]``."""
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+class LearnerCore:
+    """One learner rank: the policy, its optimiser, versions, and the GRPO and SFT updates.
+
+    ``model_config`` holds :class:`~actors.policy.PolicyConfig`'s fields.  The optimiser is
+    AdamW (with ``weight_decay=0`` it is exactly Adam).  A frozen reference policy exists only
+    when ``kl_coef > 0``; it is the policy RL starts from: the initial weights, replaced by
+    the result of each :meth:`sft` warm start.  ``minibatches`` optimiser steps are taken per
+    train step, each on a contiguous slice of the batch, all against the same proximal
+    logprobs.  Public methods hold one lock, so concurrent callers see whole steps.
+    """
+
+    def __init__(self, model_config: dict[str, Any], *, lr: float = 3e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+                 max_grad_norm: float = 1.0, clip_eps: float = 0.2, is_cap: float = 2.0,
+                 kl_coef: float = 0.0, seed: int = 0, torch_threads: int = 1,
+                 minibatches: int = 1, rank: int = 0, world_size: int = 1,
+                 master_addr: str = LOOPBACK, master_port: int = 29500,
+                 dist_timeout_s: float = 120.0, temperature: float = 1.0,
+                 lr_decay_steps: int = 0, lr_min_ratio: float = 0.1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if minibatches < 1:
+            raise ValueError(f"minibatches must be >= 1, got {minibatches}")
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        self.config = PolicyConfig(**model_config)
+        self.model = PolicyModel(self.config)
+        self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
+                                       "weight_decay": weight_decay}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._hyper)
+        self.reference = self._frozen_copy() if kl_coef > 0 else None
+        self.max_grad_norm, self.clip_eps, self.is_cap = max_grad_norm, clip_eps, is_cap
+        self.kl_coef, self.seed, self.minibatches = kl_coef, seed, minibatches
+        # The engines' sampling temperature: RL logprobs are scored under the same tempered
+        # distribution as the behaviour logprobs, or the importance weights would be wrong.
+        self.temperature = temperature
+        self.lr_decay_steps, self.lr_min_ratio = lr_decay_steps, lr_min_ratio
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.dist_timeout_s = dist_timeout_s
+        self.progress = Progress()
+        self._step = 0
+        self._version = 0
+        self._lock = threading.Lock()
+        self._group_ready = False
+        log.info("learner rank %d/%d: %d parameters, seed %d", rank, world_size,
+                 self.model.num_parameters(), seed)
+
+    # ------------------------------------------------------------------ reading the policy
+    def version(self) -> int:
+        """The policy version of the current weights."""
+        return self._version
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The current weights as numpy arrays, as engines load them."""
+        return self.versioned_weights()[1]
+
+    def versioned_weights(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The current version and its weights, read together (no step runs in between)."""
+        with self._lock:
+            return self._version, state_to_numpy(self.model)
+
+    def evaluate_logprobs(self, prompts: list[list[int]],
+                          completions: list[list[int]]) -> list[list[float]]:
+        """Per-token logprobs of each completion under the current weights."""
+        if not completions:
+            return []
+        with self._lock, torch.no_grad():
+            logp, _ = sequence_logprobs(self.model, prompts, completions)
+        return [logp[i, :len(c)].tolist() for i, c in enumerate(completions)]
+
+    # ------------------------------------------------------------------------- updates
+    def train_step(self, batch: dict[str, Any] | TrainBatch) -> dict[str, float]:
+        """One GRPO update on ``batch`` (a :class:`TrainBatch` or its ``to_dict()``).
+
+        Advantages come from the whole batch's groups.  Proximal (and reference) logprobs for
+        every minibatch are computed first, with no gradient, before any weight moves; then
+        one optimiser step per minibatch.  The first minibatch runs on the proximal weights
+        themselves, so its own forward pass yields its proximal logprobs (detached) and the
+        separate no-grad pass is skipped for it: one forward fewer per step, same values.
+        Progress: phase ``train_step``, a tick after the proximal pass and after each
+        minibatch.  Returns metrics; loss statistics are this rank's, token-weighted over
+        minibatches, while ``grad_norm`` (mean over minibatches, after the all-reduce) and
+        ``tokens`` are global.  Staleness is measured against the version the step started
+        from.
+        """
+        tb = batch if isinstance(batch, TrainBatch) else TrainBatch.from_dict(batch)
+        with self._lock, self.progress.working("train_step", work=f"step {self._step + 1}"):
+            started, start_version = time.perf_counter(), self._version
+            lr = rl_learning_rate(self._hyper["lr"], self._step, self.lr_decay_steps,
+                                  self.lr_min_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            rewards = torch.tensor(tb.rewards, dtype=torch.float32)
+            advantages = group_advantages(rewards, tb.group_size)
+            mine = shard(list(range(len(tb))), self.world_size, self.rank)
+            chunks = [shard(mine, self.minibatches, j) for j in range(self.minibatches)]
+            fixed = [self._fixed_logprobs(tb, c, with_prox=j > 0)
+                     for j, c in enumerate(chunks)]
+            self.progress.tick()
+            sums = dict.fromkeys(_TOKEN_WEIGHTED, 0.0)
+            local_tokens = global_tokens = 0
+            grad_norms = []
+            for chunk, (prox, ref) in zip(chunks, fixed, strict=True):
+                n_local, n_global, stats, norm = self._minibatch(tb, chunk, advantages,
+                                                                 prox, ref)
+                for key in _TOKEN_WEIGHTED:
+                    sums[key] += stats.get(key, 0.0) * n_local
+                local_tokens += n_local
+                global_tokens += n_global
+                grad_norms.append(norm)
+                self.progress.tick()
+            self._step += 1
+            self._version += 1
+            groups = rewards.view(-1, tb.group_size)
+            flat = (groups.max(dim=1).values == groups.min(dim=1).values).float()
+            metrics = {
+                "step": self._step, "version": self._version, "lr": lr,
+                **{k: v / max(local_tokens, 1) for k, v in sums.items()},
+                "grad_norm": sum(grad_norms) / len(grad_norms), "tokens": global_tokens,
+                "completions": len(tb), "groups": len(tb) // tb.group_size,
+                "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std(unbiased=False)),
+                "zero_advantage_group_fraction": float(flat.mean()),
+                **staleness_stats(tb.versions, start_version),
+                "time_s": time.perf_counter() - started,
+            }
+        log.debug("train step %d: %s", self._step, metrics)
+        return metrics
+
+    def sft(self, prompts: list[list[int]], targets: list[list[int]], steps: int,
+            batch_size: int, lr: float | None = None) -> dict[str, Any]:
+        """Supervised warm start: cross-entropy on the target tokens only, ``steps`` optimiser
+        steps over batches that cycle through the data in order, at ``lr`` (default: the RL
+        learning rate; the RL rate is restored afterwards).
+
+        Bumps the version once and, when a reference policy exists, makes the result the new
+        reference.  It shares the RL optimiser, so Adam's moments carry over into RL.
+        Progress: phase ``sft``, a tick per step.  Returns the loss curve summary: first,
+        last and minimum batch loss and up to 11 evenly spaced points of the curve.
+        """
+        if len(prompts) != len(targets) or not prompts:
+            raise ValueError(f"sft needs as many prompts as targets, at least one; got "
+                             f"{len(prompts)} and {len(targets)}")
+        if steps < 1 or batch_size < 1:
+            raise ValueError(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
+        losses: list[float] = []
+        tokens = 0
+        rl_lr = self._hyper["lr"]
+        for group in self.optimizer.param_groups:
+            group["lr"] = rl_lr if lr is None else lr
+        with self._lock, self.progress.working("sft", work=f"{steps} steps"):
+            for s in range(steps):
+                batch = [(s * batch_size + j) % len(prompts) for j in range(batch_size)]
+                mine = shard(batch, self.world_size, self.rank)
+                self.optimizer.zero_grad()
+                loss = None
+                loss_sum, n_local = 0.0, sum(len(targets[i]) for i in mine)
+                if n_local:
+                    logp, mask = sequence_logprobs(self.model, [prompts[i] for i in mine],
+                                                   [targets[i] for i in mine])
+                    loss = -(logp * mask).sum()
+                    loss_sum = float(loss.detach())
+                n_global, total = self._all_sum([float(n_local), loss_sum])
+                if loss is not None:
+                    (loss * (self.world_size / n_global)).backward()
+                self._apply_gradients(int(n_global))
+                losses.append(total / max(n_global, 1.0))
+                tokens += int(n_global)
+                self.progress.tick()
+            self._version += 1
+            if self.reference is not None:
+                self.reference = self._frozen_copy()
+        for group in self.optimizer.param_groups:
+            group["lr"] = rl_lr
+        points = sorted({round(k * (steps - 1) / 10) for k in range(11)})
+        summary = {"steps": steps, "version": self._version, "tokens": tokens,
+                   "loss_first": losses[0], "loss_last": losses[-1], "loss_min": min(losses),
+                   "curve": [(p, losses[p]) for p in points]}
+        log.info("sft: %d steps, loss %.4f -> %.4f", steps, losses[0], losses[-1])
+        return summary
+
+    # ---------------------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, as picklable CPU objects (copies, not views
+        of the live state)."""
+        with self._lock:
+            return {
+                "format": STATE_FORMAT,
+                "model_config": self.config.to_dict(),
+                "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "reference": None if self.reference is None else
+                {k: v.detach().clone() for k, v in self.reference.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "step": self._step,
+                "version": self._version,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            }
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        """Restore a :meth:`state`; returns the restored version.
+
+        The model config must match; hyperparameters (lr, clipping) stay this learner's own,
+        so a resumed job may change them.  A saved reference policy is restored only when
+        this learner uses one (``kl_coef > 0``).
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"learner state format {state.get('format')!r}, "
+                             f"expected {STATE_FORMAT}")
+        if state["model_config"] != self.config.to_dict():
+            raise ValueError(f"checkpoint model config {state['model_config']} does not match "
+                             f"this learner's {self.config.to_dict()}")
+        with self._lock:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+            for group in self.optimizer.param_groups:  # loading restored the saved ones
+                group.update(self._hyper)
+            if self.reference is not None:
+                self.reference.load_state_dict(state["reference"] or state["model"])
+            self._step, self._version = int(state["step"]), int(state["version"])
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+        log.info("learner rank %d restored step %d, version %d", self.rank, self._step,
+                 self._version)
+        return self._version
+
+    def close(self) -> None:
+        """Leave the process group, if one was formed."""
+        if self._group_ready and dist.is_initialized():
+            dist.destroy_process_group()
+        self._group_ready = False
+
+    # ------------------------------------------------------------------------ internals
+    def _frozen_copy(self) -> PolicyModel:
+        ref = copy.deepcopy(self.model)
+        ref.requires_grad_(False)
+        return ref
+
+    def _fixed_logprobs(self, tb: TrainBatch, chunk: list[int], *, with_prox: bool
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Proximal (if ``with_prox``) and, with a KL term, reference logprobs for one
+        minibatch, with no gradient.  Nothing for a minibatch with no trained tokens."""
+        if not any(any(tb.token_mask(i)) for i in chunk):
+            return None, None
+        prompts = [tb.prompt_ids[i] for i in chunk]
+        completions = [tb.completion_ids[i] for i in chunk]
+        prox = ref = None
+        with torch.no_grad():
+            if with_prox:
+                prox, _ = sequence_logprobs(self.model, prompts, completions, self.temperature)
+            if self.reference is not None:
+                ref, _ = sequence_logprobs(self.reference, prompts, completions,
+                                           self.temperature)
+        return prox, ref
+
+    def _minibatch(self, tb: TrainBatch, chunk: list[int], advantages: torch.Tensor,
+                   prox: torch.Tensor | None, ref: torch.Tensor | None
+                   ) -> tuple[int, int, dict[str, float], float]:
+        """One optimiser step on this rank's ``chunk``: (local tokens, global tokens, loss
+        statistics, gradient norm).  Every rank calls it the same number of times, even
+        with an empty chunk, because it holds the collectives."""
+        self.optimizer.zero_grad()
+        n_local = sum(sum(tb.token_mask(i)) for i in chunk)
+        (n_global,) = self._all_sum([float(n_local)])
+        stats: dict[str, float] = {}
+        if n_local:
+            loss, stats = self._chunk_loss(tb, chunk, advantages, prox, ref)
+            # Each rank's token mean, rescaled so the rank average is the global token mean.
+            (loss * (n_local * self.world_size / n_global)).backward()
+        return n_local, int(n_global), stats, self._apply_gradients(int(n_global))
+
+    def _chunk_loss(self, tb: TrainBatch, chunk: list[int], advantages: torch.Tensor,
+                    prox: torch.Tensor | None, ref: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The GRPO loss of one minibatch; ``prox=None`` means the weights are still the
+        proximal ones (the first minibatch)."""
+        logp, token_mask = sequence_logprobs(self.model, [tb.prompt_ids[i] for i in chunk],
+                                             [tb.completion_ids[i] for i in chunk],
+                                             self.temperature)
+        if prox is None:
+            prox = logp.detach()
+        width = logp.shape[1]
+        behaviour = pad_rows([tb.behaviour_logprobs[i] for i in chunk], width, torch.float32)
+        trained = pad_rows([tb.token_mask(i) for i in chunk], width, torch.bool)
+        return grpo_loss(logp, prox, behaviour, advantages[chunk], token_mask & trained,
+                         clip_eps=self.clip_eps, is_cap=self.is_cap, kl_coef=self.kl_coef,
+                         ref_logp=ref)
+
+    def _apply_gradients(self, tokens: int) -> float:
+        """Average gradients over ranks, clip, step; returns the pre-clip global norm.
+
+        No step is taken when no rank had a token to train on (Adam's momentum alone
+        would still move the weights), nor when the norm is not finite: a NaN step would
+        poison every engine the weights go to.  Both conditions are global, so the ranks
+        agree on skipping.
+        """
+        params = list(self.model.parameters())
+        if tokens == 0:
+            return 0.0
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if self.world_size > 1:
+            self._ensure_group()
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        if not math.isfinite(norm):
+            log.warning("learner rank %d: gradient norm %s, optimiser step skipped", self.rank,
+                        norm)
+            return norm
+        self.optimizer.step()
+        return norm
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        """Sum ``values`` over ranks (float64, so token counts stay exact)."""
+        if self.world_size == 1:
+            return values
+        self._ensure_group()
+        buf = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(buf)
+        return buf.tolist()
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group; "
+                               "run one learner rank per process")
+        os.environ["MASTER_ADDR"] = self.master_addr
+        os.environ["MASTER_PORT"] = str(self.master_port)
+        if self.master_addr == LOOPBACK:
+            # Gloo binds the interface the host name resolves to unless told otherwise; with
+            # every rank on this machine, keep the traffic on loopback like the rest of a
+            # local erlay job.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.dist_timeout_s))
+        self._group_ready = True
+        log.info("learner rank %d joined a gloo group of %d at %s:%d", self.rank,
+                 self.world_size, self.master_addr, self.master_port)
