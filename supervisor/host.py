@@ -52,11 +52,13 @@ class NodeHost:
     _erlay_wants_path = True     # the actor starter passes erlay_path=<tree path>
 
     def __init__(self, flags: SupervisorFlags, children: tuple[ChildSpec, ...],
-                 env: Mapping[str, str] | None = None, *, erlay_path: str) -> None:
+                 env: Mapping[str, str] | None = None,
+                 instances: tuple[tuple[Any, ...], ...] = (), *, erlay_path: str) -> None:
         self.path = erlay_path
         self.flags = flags
         self.children = tuple(children)
         self.env = dict(env or {})
+        self.instances = tuple(instances)
         self.events = MemorySink()
         self.keeper = process_keeper()
         self.keeper.declared_env.update(self.env)
@@ -72,6 +74,10 @@ class NodeHost:
                     SubprocessStart: partial(SubprocessChild.start, keeper=self.keeper)}
         self.sup = Supervisor(self.path, self.flags, self.children, starters=starters, sink=sink)
         await self.sup.boot()
+        # A simple_one_for_one host re-creates its pool at every boot, so a host restarted
+        # on another node comes back with the same workers (erlay extension).
+        for args in self.instances:
+            await self.sup.start_child(args=tuple(args))
 
     async def erlay_wait(self) -> dict[str, Any]:
         reason = await self._sup().wait_exit()
@@ -144,15 +150,19 @@ class NodeHost:
 
 def host_spec(node_label: str, flags: SupervisorFlags, children: tuple[ChildSpec, ...],
               *, node_id: str | None = None, env: Mapping[str, str] | None = None,
-              restart: str = "permanent", shutdown: float | str = "infinity") -> ChildSpec:
+              instances: tuple[tuple[Any, ...], ...] = (), restart: str = "permanent",
+              shutdown: float | str = "infinity") -> ChildSpec:
     """The child spec of the host for one node: id ``host@<node>``.
 
     The host is pinned to its node while the node lives; a restart after the node is gone
     places it on a live node (see :class:`~supervisor.actor_child.PreferNode`).
+    For a simple_one_for_one host, ``instances`` lists the start args of the instances it
+    starts at every boot.
     """
     options: dict[str, Any] = {"num_cpus": 0}
     if node_id is not None:
         options["scheduling_strategy"] = PreferNode(node_id)
-    start = ActorStart(NodeHost, args=(flags, tuple(children), dict(env or {})), options=options)
+    start = ActorStart(NodeHost, args=(flags, tuple(children), dict(env or {}),
+                                       tuple(tuple(a) for a in instances)), options=options)
     return ChildSpec(host_id(node_label), start, restart=restart, shutdown=shutdown,
                      type="supervisor")

@@ -66,13 +66,15 @@ class SupervisionTree:
         self._thread.start()
 
         async def boot() -> Supervisor:
-            root = Supervisor(self.name, self._flags, self._children, starters=self._starters,
-                              sink=self._sink)
-            await root.boot()
-            return root
+            # Published before booting, so children started during the boot (a coordinator
+            # that looks up its siblings) can already navigate the tree.
+            self.root = Supervisor(self.name, self._flags, self._children,
+                                   starters=self._starters, sink=self._sink)
+            await self.root.boot()
+            return self.root
 
         try:
-            self.root = self.run(boot, timeout=timeout)
+            self.run(boot, timeout=timeout)
         except BaseException:
             self._close()
             raise
