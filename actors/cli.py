@@ -1,7 +1,8 @@
 """The `erlay` command line.
 
 Subcommands:
-  erlay demo            a local supervision tree surviving kills (what the README runs)
+  erlay run CONFIG [key.sub=value ...]   run an RL job (local Ray, or --address / RAY_ADDRESS)
+  erlay demo                              a local supervision tree surviving kills
 
 Every invocation first checks that erlay's packages are erlay's own (see
 :mod:`actors.install_check`) and exits with status 2, naming the culprit, if not.
@@ -25,6 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"erlay {VERSION}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log supervisor events")
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run an RL job from a YAML config")
+    run.add_argument("config", help="YAML job config, e.g. configs/cpu.yaml")
+    run.add_argument("overrides", nargs="*", help="overrides such as learner.lr=3e-4")
+    run.add_argument("--address", help="Ray cluster to attach to (default: RAY_ADDRESS, "
+                     "else a local loopback Ray)")
+    run.add_argument("--no-progress", action="store_true", help="no live progress bar")
     demo = sub.add_parser("demo", help="run a local supervision tree that survives kills")
     demo.add_argument("--kills", type=int, default=8, help="faults to inject (default 8)")
     demo.add_argument("--interval", type=float, default=0.5,
@@ -39,16 +46,49 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"erlay: {problem}", file=sys.stderr)
         print(f"erlay: {ADVICE}", file=sys.stderr)
         return 2
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come after options (`run cfg.yaml --no-progress a.b=1`), which argparse's
+    # positional handling does not allow; collect them from the leftovers instead.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "run" or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         logging.getLogger("erlay.supervisor").setLevel(logging.ERROR)
     match args.command:
+        case "run":
+            return _run(args)
         case "demo":
             from supervisor.demo import run_demo
             return run_demo(kills=args.kills, interval_s=args.interval)
     return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from actors.config import ConfigError, load_config
+    overrides = list(args.overrides)
+    if args.address:
+        overrides.append(f"ray.address={args.address}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"erlay: {exc}", file=sys.stderr)
+        return 2
+    from actors.job import Job
+    from actors.rundir import RunDir
+    run_dir = RunDir.create(cfg.run.run_dir, cfg.run.name)
+    print(f"erlay: run directory {run_dir.path}")
+    job = Job(cfg, run_dir)
+    result = job.run(progress=not args.no_progress,
+                     on_start=lambda tree: print(tree.render(), flush=True))
+    print(run_dir.summary.read_text(encoding="utf-8"))
+    if result.status != "finished":
+        print(f"erlay: job failed: {result.reason}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

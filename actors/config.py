@@ -1,0 +1,263 @@
+"""The job's configuration: one typed pydantic model, validated once at load time.
+
+``load_config(path, overrides)`` reads YAML, applies ``key.sub=value`` overrides, validates,
+and raises :class:`ConfigError` before anything starts.  The message names the key, what was
+expected and what was given: an unknown key, a wrong type, a missing file, an environment or
+judge class that cannot be imported.
+
+Every option is documented on its field; ``configs/reference.yaml`` shows them all.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from supervisor.errors import ErlayError
+
+
+class ConfigError(ErlayError):
+    """The configuration is invalid; the message names every offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class RunSection(Section):
+    name: str = Field("erlay", description="run name; the run directory is <run_dir>/<name>-<time>")
+    run_dir: str = Field("runs", description="parent directory of run directories")
+    seed: int = Field(0, description="seed for data order, sampling and initialisation")
+    steps: int = Field(100, ge=1, description="RL steps (learner updates)")
+
+
+class RaySection(Section):
+    address: str | None = Field(None, description="attach to this cluster (else RAY_ADDRESS, "
+                                "else start a local loopback Ray)")
+    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of a local Ray")
+    include_dashboard: bool = Field(False, description="start the dashboard with a local Ray")
+
+
+class ModelSection(Section):
+    d_model: int = Field(128, ge=8)
+    n_layers: int = Field(2, ge=1)
+    n_heads: int = Field(4, ge=1)
+    d_ff: int = Field(512, ge=8)
+    max_seq_len: int = Field(96, ge=8, description="longest prompt + completion, in tokens")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSection:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
+                             f"({self.n_heads})")
+        return self
+
+
+class EngineSection(Section):
+    backend: Literal["torch", "vllm"] = Field("torch", description="generation backend")
+    num_engines: int = Field(1, ge=1, description="generation engine actors")
+    max_batch: int = Field(256, ge=1, description="requests decoded together")
+    torch_threads: int = Field(1, ge=1, description="torch threads per engine process")
+    max_new_tokens: int = Field(8, ge=1, description="tokens per turn")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
+    chunk_tokens: int = Field(8, ge=1, description="stream a chunk at least this often")
+    decode_deadline_s: float = Field(30.0, gt=0, description="hang deadline of a decode step")
+
+
+class LearnerSection(Section):
+    num_ranks: int = Field(1, ge=1, description="learner ranks (one actor each, one_for_all)")
+    lr: float = Field(3e-4, gt=0, description="RL learning rate (Adam)")
+    lr_decay_steps: int = Field(0, ge=0, description="cosine-decay the RL learning rate over "
+                                "this many steps (0 = constant)")
+    lr_min_ratio: float = Field(0.1, gt=0, le=1, description="final learning rate / lr")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip")
+    is_cap: float = Field(2.0, ge=1.0, description="truncated importance-weight cap")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0 = off)")
+    minibatches: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1, description="torch threads of each learner process")
+    train_deadline_s: float = Field(300.0, gt=0, description="hang deadline of a train step")
+
+
+class WarmStartSection(Section):
+    steps: int = Field(30, ge=0, description="supervised steps on generated demonstrations "
+                       "(kept short on purpose: RL must carry the reward)")
+    batch_size: int = Field(64, ge=1)
+    examples: int = Field(512, ge=1, description="demonstration episodes to draw from")
+    lr: float = Field(1e-3, gt=0)
+
+
+class RolloutSection(Section):
+    prompts_per_step: int = Field(16, ge=1, description="GRPO groups per step")
+    group_size: int = Field(8, ge=2, description="rollouts per prompt")
+    max_staleness: int = Field(1, ge=0, description="max policy-version age of a trained "
+                               "trajectory; 0 = synchronous, 1 = one-step off-policy")
+
+
+class EnvironmentSection(Section):
+    cls: str = Field("environments.arithmetic:ArithmeticEnv", alias="class",
+                     description="environment as module:Class")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="environment arguments")
+
+    @field_validator("cls")
+    @classmethod
+    def _importable(cls, value: str) -> str:
+        return _check_import_path(value)
+
+
+class SandboxSection(Section):
+    workers_per_node: int = Field(2, ge=1, description="sandbox workers in each node's host")
+    limits: dict[str, Any] = Field(default_factory=dict, description="sandbox.SandboxLimits "
+                                   "fields (wall_timeout_s, memory_mb, ...)")
+    max_attempts: int = Field(3, ge=1, description="tries of one tool call before its result "
+                              "is an error observation")
+
+    @field_validator("limits")
+    @classmethod
+    def _valid_limits(cls, value: dict[str, Any]) -> dict[str, Any]:
+        from sandbox.limits import SandboxLimits
+        try:
+            SandboxLimits(**value)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                                 for e in exc.errors())
+            raise ValueError(f"invalid sandbox limits ({problems})") from None
+        return value
+
+
+class JudgeSection(Section):
+    cls: str = Field("judges.math:MathJudge", alias="class", description="judge as module:Class")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    workers_per_node: int = Field(1, ge=1)
+    timeout_s: float = Field(5.0, gt=0, description="budget of one judgement")
+    retries: int = Field(2, ge=0, description="retries of a failed judgement")
+
+    @field_validator("cls")
+    @classmethod
+    def _importable(cls, value: str) -> str:
+        return _check_import_path(value)
+
+
+class DomainFlags(Section):
+    intensity: int = Field(5, ge=0)
+    period: float = Field(30.0, gt=0)
+
+
+class SupervisionSection(Section):
+    root: DomainFlags = DomainFlags(intensity=3, period=60)
+    learner: DomainFlags = DomainFlags()
+    generation: DomainFlags = DomainFlags()
+    sandbox: DomainFlags = DomainFlags()
+    judge: DomainFlags = DomainFlags()
+    rollout: DomainFlags = DomainFlags()
+
+
+class JobConfig(Section):
+    """The whole job.  Sections mirror the fault domains."""
+
+    run: RunSection = RunSection()
+    ray: RaySection = RaySection()
+    model: ModelSection = ModelSection()
+    engine: EngineSection = EngineSection()
+    learner: LearnerSection = LearnerSection()
+    warm_start: WarmStartSection = WarmStartSection()
+    rollout: RolloutSection = RolloutSection()
+    environment: EnvironmentSection = EnvironmentSection()
+    sandbox: SandboxSection = SandboxSection()
+    judge: JudgeSection = JudgeSection()
+    supervision: SupervisionSection = SupervisionSection()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(by_alias=True, mode="json"), sort_keys=False)
+
+
+def _check_import_path(value: str) -> str:
+    module_name, sep, attr = value.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"an import path 'module:Class', got {value!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} ({exc})") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return value
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one ``key.sub=value`` override in place; the value is parsed as YAML."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r}: expected key.sub=value")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({exc})") from None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in error["loc"]) or "<top level>"
+    given = error.get("input")
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key (given {given!r}){_did_you_mean(error['loc'])}"
+    if error["type"] == "missing":
+        return f"{key}: required key is missing"
+    text = str(error["msg"]).removeprefix("Value error, ")
+    return f"{key}: {text} (given {given!r})"
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """A ``; did you mean 'lr'?`` hint from the known fields of the unknown key's parent."""
+    model: Any = JobConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = field.annotation if field is not None else None
+        if not isinstance(model, type) or not issubclass(model, BaseModel):
+            return ""
+    names = [f.alias or n for n, f in model.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def validate_config(data: dict[str, Any]) -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(err) for err in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read, override and validate a job config.  ``path=None`` means all defaults."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {file}")
+        try:
+            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: not valid YAML ({exc})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: expected a mapping of sections, got "
+                              f"{type(loaded).__name__}")
+        data = loaded or {}
+    for override in overrides:
+        apply_override(data, override)
+    return validate_config(data)

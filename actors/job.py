@@ -1,0 +1,248 @@
+"""The job: wires the RL components into one supervision tree and runs it to the end.
+
+    erlay                      one_for_one, auto_shutdown any_significant
+    ├── learner                one_for_all   learner-0..R-1    actor children
+    ├── generation             one_for_one   engine-0..E-1     actor children
+    ├── sandbox                one_for_one   host@node-i       one host per node, N workers
+    ├── judge                  one_for_one   host@node-i       one host per node, N workers
+    └── rollout                rest_for_one  coordinator       in-process, significant
+
+The coordinator is a transient significant child of ``rollout``, which is a transient
+significant child of the root: when training finishes the coordinator returns, and OTP's
+auto_shutdown stops the whole tree in reverse start order.  If a subtree exceeds its restart
+intensity and the failure climbs to the root, the job fails with the offender named.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from actors.config import DomainFlags, JobConfig
+from actors.rundir import RunDir
+from actors.tokenizer import CharTokenizer
+from actors.transitions import NullTransitions, TransitionSink
+from environments.base import load_environment
+from supervisor.errors import SupervisorFailed
+from supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
+from supervisor.host import host_spec
+from supervisor.raylocal import alive_nodes, ensure_ray
+from supervisor.reason import ExitReason
+from supervisor.spec import (
+    ActorStart,
+    ChildSpec,
+    InProcessStart,
+    SupervisorFlags,
+    SupervisorStart,
+)
+from supervisor.tree import SupervisionTree
+
+log = logging.getLogger("erlay.job")
+ROOT = "erlay"
+
+
+@dataclass(frozen=True)
+class DomainPaths:
+    learners: list[str]
+    engines: list[str]
+    sandbox_hosts: list[str]
+    sandbox_workers: list[str]
+    judge_hosts: list[str]
+    judge_workers: list[str]
+
+
+@dataclass
+class JobResult:
+    status: str            # "finished" | "failed"
+    reason: str
+    wall_s: float
+    run_dir: RunDir
+    offender: str | None = None
+
+
+def _flags(strategy: str, domain: DomainFlags, **kw: Any) -> SupervisorFlags:
+    return SupervisorFlags(strategy, intensity=domain.intensity, period=domain.period, **kw)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for the learner ranks' process group."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RestartCounter:
+    """Counts restart events for the progress bar."""
+
+    def __init__(self) -> None:
+        self.restarts = 0
+
+    def emit(self, event: SupervisorEvent) -> None:
+        if event.context is EventKind.RESTART:
+            self.restarts += 1
+
+
+class Job:
+    """One RL job: config in, run directory out."""
+
+    def __init__(self, cfg: JobConfig, run_dir: RunDir,
+                 transitions: TransitionSink | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.tokenizer = CharTokenizer()
+        self.env = load_environment(cfg.environment.cls, **cfg.environment.kwargs)
+        self.transitions = transitions or NullTransitions()
+        self.metrics: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.restarts = RestartCounter()
+        self._jsonl = JsonlSink(run_dir.events)
+        self.events = FanoutSink([self._jsonl, LoggingSink(), self.restarts])
+        self.tree: SupervisionTree | None = None
+        self.paths: DomainPaths | None = None
+        self._t0 = time.time()
+
+    def report_metrics(self, record: dict[str, Any]) -> None:
+        """Called by the coordinator: one line in metrics.jsonl, one update of the bar."""
+        record = {"time": round(time.time() - self._t0, 3), **record,
+                  "restarts": self.restarts.restarts}
+        self.run_dir.append_metrics(record)
+        self.metrics.put(record)
+
+    # -------------------------------------------------------------------- the tree
+    def model_config(self) -> dict[str, Any]:
+        return {"vocab_size": self.tokenizer.vocab_size, **self.cfg.model.model_dump()}
+
+    def build(self) -> SupervisionTree:
+        from actors.coordinator import RolloutCoordinator
+        from actors.engine_torch import TorchEngine
+        from actors.learner import Learner
+
+        cfg, sup = self.cfg, self.cfg.supervision
+        model = self.model_config()
+        master_port = free_port()
+        learners = [ChildSpec(f"learner-{r}", ActorStart(Learner, args=(model,), kwargs=dict(
+            lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
+            max_grad_norm=cfg.learner.max_grad_norm, clip_eps=cfg.learner.clip_eps,
+            is_cap=cfg.learner.is_cap, kl_coef=cfg.learner.kl_coef, seed=cfg.run.seed,
+            torch_threads=cfg.learner.torch_threads, minibatches=cfg.learner.minibatches,
+            rank=r, world_size=cfg.learner.num_ranks, master_port=master_port,
+            temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
+            lr_min_ratio=cfg.learner.lr_min_ratio)),
+            deadlines={"train_step": cfg.learner.train_deadline_s,
+                       "sft": cfg.learner.train_deadline_s})
+            for r in range(cfg.learner.num_ranks)]
+        engines = [ChildSpec(f"engine-{i}", ActorStart(TorchEngine, args=(model,), kwargs=dict(
+            max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
+            seed=cfg.run.seed)), deadlines={"decode_step": cfg.engine.decode_deadline_s})
+            for i in range(cfg.engine.num_engines)]
+        nodes = sorted(n["NodeID"] for n in alive_nodes())
+        pool = SupervisorFlags("simple_one_for_one", intensity=sup.sandbox.intensity,
+                               period=sup.sandbox.period)
+        sandbox_template = ChildSpec("sandbox", InProcessStart(
+            "sandbox.worker:SandboxWorker", args=(dict(cfg.sandbox.limits),)),
+            deadlines={"tool_call": self._tool_deadline()})
+        workers = cfg.sandbox.workers_per_node
+        # Each worker runs code as its own uid (60000 + slot); hosts that share a machine
+        # (simulated nodes) must not share slots.
+        sandbox_hosts = [host_spec(f"node-{i}", pool, (sandbox_template,), node_id=node,
+                                   instances=tuple((i * workers + s,) for s in range(workers)))
+                         for i, node in enumerate(nodes)]
+        judge_pool = SupervisorFlags("simple_one_for_one", intensity=sup.judge.intensity,
+                                     period=sup.judge.period)
+        judge_template = ChildSpec("judge", InProcessStart(
+            "judges.worker:JudgeWorker", args=(cfg.judge.cls, dict(cfg.judge.kwargs),
+                                               cfg.judge.timeout_s)),
+            deadlines={"judge_call": cfg.judge.timeout_s * 3})
+        judge_hosts = [host_spec(f"node-{i}", judge_pool, (judge_template,), node_id=node,
+                                 instances=tuple(() for _ in range(cfg.judge.workers_per_node)))
+                       for i, node in enumerate(nodes)]
+        coordinator = ChildSpec("coordinator", InProcessStart(RolloutCoordinator, args=(self,)),
+                                restart="transient", significant=True, shutdown=30.0)
+
+        def domain(cid: str, flags: SupervisorFlags, children: list[ChildSpec],
+                   **kw: Any) -> ChildSpec:
+            return ChildSpec(cid, SupervisorStart(flags, tuple(children)), type="supervisor",
+                             **kw)
+
+        root_flags = _flags("one_for_one", sup.root, auto_shutdown="any_significant")
+        children = [
+            domain("learner", _flags("one_for_all", sup.learner), learners),
+            domain("generation", _flags("one_for_one", sup.generation), engines),
+            domain("sandbox", _flags("one_for_one", sup.sandbox), sandbox_hosts),
+            domain("judge", _flags("one_for_one", sup.judge), judge_hosts),
+            domain("rollout", _flags("rest_for_one", sup.rollout,
+                                     auto_shutdown="any_significant"), [coordinator],
+                   restart="transient", significant=True),
+        ]
+        self.paths = DomainPaths(
+            learners=[f"{ROOT}/learner/{c.id}" for c in learners],
+            engines=[f"{ROOT}/generation/{c.id}" for c in engines],
+            sandbox_hosts=[f"{ROOT}/sandbox/{h.id}" for h in sandbox_hosts],
+            sandbox_workers=[f"sandbox-{i + 1}" for i in range(cfg.sandbox.workers_per_node)],
+            judge_hosts=[f"{ROOT}/judge/{h.id}" for h in judge_hosts],
+            judge_workers=[f"judge-{i + 1}" for i in range(cfg.judge.workers_per_node)])
+        self.tree = SupervisionTree(ROOT, root_flags, children, sink=self.events)
+        return self.tree
+
+    def _tool_deadline(self) -> float:
+        wall = float(self.cfg.sandbox.limits.get("wall_timeout_s", 5.0))
+        return wall * 2 + 5.0
+
+    # --------------------------------------------------------------------- running
+    def run(self, *, progress: bool = True, on_start: Any = None) -> JobResult:
+        """Start Ray (or attach), run the tree until training ends, write the run dir."""
+        cfg = self.cfg
+        self.run_dir.config.write_text(cfg.to_yaml(), encoding="utf-8")
+        ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
+                   include_dashboard=cfg.ray.include_dashboard)
+        started = time.time()
+        tree = self.build()
+        try:
+            tree.start()
+            if on_start is not None:
+                on_start(tree)
+            self._follow(tree, progress)
+            reason: ExitReason = tree.wait()
+            result = JobResult("finished", str(reason), time.time() - started, self.run_dir)
+        except SupervisorFailed as exc:
+            result = JobResult("failed", str(exc), time.time() - started, self.run_dir,
+                               exc.offender)
+        except BaseException:
+            tree.stop()
+            self._jsonl.close()
+            raise
+        self._jsonl.close()
+        self.run_dir.plot_rewards()
+        self.run_dir.write_summary(result.status, result.wall_s, result.reason)
+        return result
+
+    def _follow(self, tree: SupervisionTree, progress: bool) -> None:
+        """Drain metrics into a progress bar until the tree ends."""
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=self.cfg.run.steps, unit="step", dynamic_ncols=True,
+                       mininterval=0.5)
+        last = time.time()
+        samples = 0
+        try:
+            while tree.alive:
+                try:
+                    record = self.metrics.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if record.get("phase") != "rl" or bar is None:
+                    continue
+                now = time.time()
+                samples = record["samples"]
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                                samples_s=f"{samples / max(now - last, 1e-6):.0f}",
+                                restarts=record["restarts"], refresh=False)
+                last = now
+        finally:
+            if bar is not None:
+                bar.close()

@@ -1,0 +1,136 @@
+"""The run directory: everything a run leaves behind, readable after a crash.
+
+    <run_dir>/<name>-<YYYYmmdd-HHMMSS>/
+        config.yaml      the resolved configuration
+        metrics.jsonl    one object per warm start / RL step, flushed as written
+        events.jsonl     every supervisor event (starts, exits, restarts, escalations)
+        summary.md       status, reward, throughput, restarts by domain
+        reward_curve.png the reward per step
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from supervisor.events import EventKind, read_events
+
+
+def reward_window(values: list[float], fraction: float = 0.1) -> tuple[float, float]:
+    """Mean of the first and of the last ``fraction`` of ``values`` (at least one each)."""
+    if not values:
+        return 0.0, 0.0
+    k = max(1, round(len(values) * fraction))
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def create(parent: str | Path, name: str) -> RunDir:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = Path(parent) / f"{name}-{stamp}"
+        path, n = base, 1
+        while path.exists():
+            n += 1
+            path = Path(f"{base}-{n}")
+        return RunDir(path)
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.md"
+
+    @property
+    def reward_plot(self) -> Path:
+        return self.path / "reward_curve.png"
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, default=str)
+        with self._lock, open(self.metrics, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        out = []
+        for line in self.metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line after a crash
+        return out
+
+    def rl_steps(self) -> list[dict[str, Any]]:
+        return [m for m in self.read_metrics() if m.get("phase") == "rl"]
+
+    def plot_rewards(self) -> Path | None:
+        steps = self.rl_steps()
+        if not steps:
+            return None
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([m["step"] for m in steps], [m["reward_mean"] for m in steps], lw=1.2)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("mean reward")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.set_title(self.path.name, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(self.reward_plot, dpi=110)
+        plt.close(fig)
+        return self.reward_plot
+
+    def write_summary(self, status: str, wall_s: float, detail: str = "") -> str:
+        steps = self.rl_steps()
+        rewards = [m["reward_mean"] for m in steps]
+        start, end = reward_window(rewards)
+        samples = sum(m["samples"] for m in steps)
+        tokens = sum(m["gen_tokens"] for m in steps)
+        events = read_events(self.events) if self.events.exists() else []
+        restarts = Counter(_domain(e.supervisor) for e in events
+                           if e.context is EventKind.RESTART)
+        lines = [f"# {self.path.name}", "", f"- status: **{status}**"]
+        if detail:
+            lines.append(f"- detail: {detail}")
+        lines += [f"- RL steps: {len(steps)}", f"- wall time: {wall_s:.1f} s",
+                  f"- reward: {start:.3f} (first 10% of steps) -> {end:.3f} (last 10%)",
+                  f"- samples: {samples} ({samples / wall_s:.1f}/s)" if wall_s else "",
+                  f"- generated tokens: {tokens}",
+                  f"- sandbox calls: {steps[-1]['sandbox_calls'] if steps else 0}",
+                  f"- restarts: {sum(restarts.values())}"]
+        if restarts:
+            lines += ["", "| domain | restarts |", "|---|---|"]
+            lines += [f"| {d} | {n} |" for d, n in restarts.most_common()]
+        if self.reward_plot.exists():
+            lines += ["", "![reward curve](reward_curve.png)"]
+        text = "\n".join(line for line in lines if line is not None) + "\n"
+        self.summary.write_text(text, encoding="utf-8")
+        return text
+
+
+def _domain(supervisor_path: str) -> str:
+    parts = supervisor_path.split("/")
+    return parts[1] if len(parts) > 1 else parts[0]

@@ -1,0 +1,99 @@
+"""Config errors name the key, what was expected and what was given, before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.config import ConfigError, JobConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"learner\.lrr: unknown key .*did you mean 'lr'"):
+        load_config(write(tmp_path, "learner:\n  lrr: 0.1\n"))
+
+
+def test_wrong_type_names_key_and_given_value(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"run\.steps: .*integer.*given 'many'"):
+        load_config(write(tmp_path, "run:\n  steps: many\n"))
+
+
+def test_out_of_range_value_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.group_size: .*greater than or equal to 2"):
+        load_config(write(tmp_path, "rollout:\n  group_size: 1\n"))
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"config file not found: .*nope\.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_unimportable_environment_class_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"environment\.class: cannot import module "
+                                          r"'no_such_pkg\.envs' \(No module named"):
+        load_config(write(tmp_path, "environment:\n  class: no_such_pkg.envs:Env\n"))
+
+
+def test_missing_attribute_of_environment_module_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="has no attribute 'Nope'"):
+        load_config(write(tmp_path, "environment:\n  class: environments.base:Nope\n"))
+
+
+def test_not_a_mapping_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(write(tmp_path, "- just\n- a list\n"))
+
+
+def test_overrides_set_nested_keys_with_yaml_values() -> None:
+    cfg = load_config(None, ["learner.lr=3e-4", "rollout.max_staleness=0", "run.name=x y"])
+    assert cfg.learner.lr == 3e-4 and cfg.rollout.max_staleness == 0 and cfg.run.name == "x y"
+
+
+def test_malformed_override_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"expected key\.sub=value"):
+        load_config(None, ["learner.lr"])
+
+
+def test_override_of_an_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"engine\.turbo: unknown key"):
+        load_config(None, ["engine.turbo=true"])
+
+
+def test_indivisible_heads_are_explained() -> None:
+    with pytest.raises(ConfigError, match="divisible by n_heads"):
+        load_config(None, ["model.d_model=100", "model.n_heads=3"])
+
+
+def test_shipped_configs_validate() -> None:
+    for name in ("cpu.yaml", "tool_use.yaml", "reference.yaml"):
+        assert isinstance(load_config(CONFIGS / name), JobConfig)
+
+
+def test_reference_config_documents_every_option() -> None:
+    import yaml
+    reference = yaml.safe_load((CONFIGS / "reference.yaml").read_text())
+    defaults = JobConfig().model_dump(by_alias=True)
+
+    def keys(tree: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in tree.items():
+            out.add(prefix + k)
+            if isinstance(v, dict) and k not in ("kwargs", "limits"):
+                out |= keys(v, prefix + k + ".")
+        return out
+    assert keys(defaults) <= keys(reference)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
+    cfg = load_config(None, ["run.steps=7"])
+    again = load_config(write(tmp_path, cfg.to_yaml()))
+    assert again == cfg
