@@ -32,6 +32,10 @@ Contracts:
 - **Failure**: if the decode loop raises, every held request fails with
   :class:`~actors.engine_api.EngineFailed`, later calls are refused, and ``erlay_wait``
   returns an error exit so the supervisor restarts the engine (let it crash).
+- **Fault injection**: the failpoints ``generation.decode_step`` (each step, in its phase) and
+  ``generation.weight_update`` (before a load) of :mod:`supervisor.failpoints`.  A ``raise``
+  fails the decode loop as above; a ``hang`` stalls only the decode loop, so the actor still
+  answers while its progress stops, as a wedged engine does.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from actors.engine_api import (
 )
 from actors.engine_core import DecodeBatch, Sequence, validate_request
 from actors.policy import PolicyConfig, PolicyModel, load_numpy_state
+from supervisor.failpoints import afailpoint
 from supervisor.progress import Progress
 from supervisor.reason import ExitKind, ExitReason
 
@@ -301,6 +306,7 @@ class TorchEngine:
         admitted = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
         self._set_phase("decode_step", f"{len(batch) + len(admitted) + len(self._pending)} "
                                        "requests")
+        await afailpoint("generation.decode_step")
         if admitted:
             await asyncio.to_thread(batch.admit, admitted)
             self._counters.waves += 1
@@ -334,6 +340,7 @@ class TorchEngine:
         self._update = None
         self._set_phase("weight_update", f"v{version}")
         try:
+            await afailpoint("generation.weight_update")
             await asyncio.to_thread(_load, self.model, state)
         except BaseException as exc:
             for waiter in waiters:

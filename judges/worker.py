@@ -16,6 +16,9 @@ built from an import path, adding what every judge needs in the judge fault doma
 
 Calls never raise for anything the judge does; an exception the judge lets escape becomes
 ``ok=False`` with the reason, because restarting the worker would not change the verdict.
+The ``judge.score`` failpoint (:mod:`supervisor.failpoints`) stands for a fault of the worker
+itself, so it sits outside that net: a ``raise`` there crashes the worker (its host restarts
+it) and a ``hang`` holds the ``judge_call`` phase without ticks until hang detection acts.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from judges.base import JUDGE_TIMEOUT, Judgement, load_judge
 from judges.deadline import run_in_thread
+from supervisor.failpoints import afailpoint
 from supervisor.progress import Progress
 
 log = logging.getLogger("erlay.judges")
@@ -78,6 +82,7 @@ class JudgeWorker:
             log.warning("judge key %s reused for different inputs; judging again", key)
         self._enter(key)
         try:
+            await afailpoint("judge.score")
             judgement = await self._judge(judge_input, answer, key)
         finally:
             self._leave()

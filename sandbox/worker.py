@@ -23,6 +23,8 @@ Contracts of :meth:`SandboxWorker.execute`:
   is the running run's key); each run that ends counts as a tick.  The pool sizes the
   ``tool_call`` deadline from the limits' wall timeout (:mod:`sandbox.pool`), so a request
   whose ``timeout_s`` is longer than that needs a larger margin there.
+- Fault injection: the ``sandbox.exec`` failpoint (:mod:`supervisor.failpoints`) sits in a run
+  after it begins its ``tool_call`` phase and before its code is spawned.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from sandbox.isolation import SandboxUnavailable, current_isolation
 from sandbox.limits import SandboxLimits
 from sandbox.results import Outcome, SandboxRequest, SandboxResult
 from sandbox.runner import run_in_sandbox
+from supervisor.failpoints import afailpoint
 from supervisor.progress import Progress
 
 log = logging.getLogger("erlay.sandbox")
@@ -118,6 +121,7 @@ class SandboxWorker:
         try:
             async with self._one_at_a_time:
                 self.progress.begin(PHASE, work=req.key)
+                await afailpoint("sandbox.exec")
                 result = await run_in_sandbox(req, self.limits, slot=self.slot)
         finally:
             del self._in_flight[req.key]

@@ -19,6 +19,10 @@ Optional hooks on the user's class, sync or async to match the class:
 - ``erlay_terminate()``: graceful cleanup on a polite shutdown.  The process is always killed
   afterwards, so nothing it spawned outlives it unless it detached on purpose.
 
+``_erlay_failpoints(op, name, spec)`` arms, disarms or lists the failpoints of the actor's
+process (see :func:`supervisor.failpoints.control`).  For a node host that includes every
+in-process child it hosts, since they share its process.
+
 A synchronous (threaded) class gets a small concurrency group for these methods so a busy
 work method cannot block death monitoring or progress reads.
 """
@@ -37,6 +41,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from supervisor import failpoints
 from supervisor.errors import ChildStartError
 from supervisor.events import EventKind, SupervisorEvent
 from supervisor.health import Quarantine, quarantine_verdict
@@ -98,8 +103,13 @@ def supervised_class(cls: type) -> Any:
                     await result
             return True
 
+        async def _erlay_failpoints(self: Any, op: str, name: str | None = None,
+                                    spec: dict[str, Any] | None = None) -> dict[str, Any]:
+            return failpoints.control(op, name, spec)  # dict updates only: never blocks
+
         methods = dict(_erlay_ready=_erlay_ready, _erlay_monitor=_erlay_monitor,
-                       _erlay_progress=_erlay_progress, _erlay_stop=_erlay_stop)
+                       _erlay_progress=_erlay_progress, _erlay_stop=_erlay_stop,
+                       _erlay_failpoints=_erlay_failpoints)
         options: dict[str, Any] = {}
     else:
         group = ray.method(concurrency_group="_erlay")
@@ -127,9 +137,15 @@ def supervised_class(cls: type) -> Any:
                 hook()
             return True
 
+        def _erlay_failpoints_s(self: Any, op: str, name: str | None = None,
+                                spec: dict[str, Any] | None = None) -> dict[str, Any]:
+            return failpoints.control(op, name, spec)
+
+        # In the _erlay group, so a work method hung in a failpoint can still be disarmed.
         methods = {"_erlay_ready": group(_erlay_ready_s), "_erlay_monitor": group(_erlay_monitor_s),
                    "_erlay_progress": group(_erlay_progress_s),
-                   "_erlay_stop": group(_erlay_stop_s)}
+                   "_erlay_stop": group(_erlay_stop_s),
+                   "_erlay_failpoints": group(_erlay_failpoints_s)}
         options = {"concurrency_groups": {"_erlay": 4}}
     sub = type(cls.__name__, (cls,), methods)
     sub.__qualname__ = cls.__qualname__

@@ -22,17 +22,18 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
 from supervisor.actor_child import PreferNode
 from supervisor.errors import ChildNotRunning
 from supervisor.events import CallbackSink, FanoutSink, LoggingSink, MemorySink
+from supervisor.failpoints import afailpoint
 from supervisor.hosted import InProcessChild
 from supervisor.naming import host_id
 from supervisor.procs import process_keeper
-from supervisor.runtime import Supervisor
+from supervisor.runtime import ChildProcess, StartContext, Supervisor
 from supervisor.spec import (
     ActorStart,
     ChildSpec,
@@ -70,8 +71,9 @@ class NodeHost:
         self._new_event = asyncio.Event()
         sink = FanoutSink([self.events, LoggingSink(),
                            CallbackSink(lambda _e: self._new_event.set())])  # type: ignore[union-attr]
-        starters = {InProcessStart: InProcessChild.start,
-                    SubprocessStart: partial(SubprocessChild.start, keeper=self.keeper)}
+        starters = {InProcessStart: partial(_spawn, InProcessChild.start),
+                    SubprocessStart: partial(_spawn, partial(SubprocessChild.start,
+                                                             keeper=self.keeper))}
         self.sup = Supervisor(self.path, self.flags, self.children, starters=starters, sink=sink)
         await self.sup.boot()
         # A simple_one_for_one host re-creates its pool at every boot, so a host restarted
@@ -146,6 +148,14 @@ class NodeHost:
 
     async def process_groups(self) -> list[int]:
         return sorted(self.keeper.groups)
+
+
+async def _spawn(start: Callable[[StartContext], Awaitable[ChildProcess]],
+                 ctx: StartContext) -> ChildProcess:
+    """Start one hosted child, past the ``host.spawn`` failpoint: a fault there is a start
+    failure of that child (at boot it aborts the host's boot)."""
+    await afailpoint("host.spawn")
+    return await start(ctx)
 
 
 def host_spec(node_label: str, flags: SupervisorFlags, children: tuple[ChildSpec, ...],

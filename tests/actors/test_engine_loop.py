@@ -120,3 +120,43 @@ def test_shutdown_ends_open_streams_with_abort() -> None:
     chunks = asyncio.run(scenario())
     assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
     assert chunks[-1].start == sum(len(c.token_ids) for c in chunks[:-1])
+
+
+def test_decode_step_failpoint_raise_fails_the_loop_as_a_crash_would() -> None:
+    from supervisor import failpoints
+
+    async def scenario() -> dict[str, Any]:
+        eng = engine()
+        failpoints.arm("generation.decode_step", "raise", nth=3)
+        try:
+            with pytest.raises(EngineFailed, match="FailpointError"):
+                await drain(eng.generate(request("victim")))
+        finally:
+            failpoints.disarm_all()
+        return await asyncio.wait_for(eng.erlay_wait(), 5)
+
+    assert asyncio.run(scenario())["kind"] == "error"
+
+
+def test_decode_step_failpoint_hang_stops_progress_while_the_engine_answers() -> None:
+    from supervisor import failpoints
+
+    async def scenario() -> tuple[int, int, list[TokenChunk]]:
+        eng = engine()
+        failpoints.arm("generation.decode_step", "hang", nth=2)
+        try:
+            stream = asyncio.create_task(drain(eng.generate(request("stalled", 8))))
+            while failpoints.hits("generation.decode_step") < 2:
+                await asyncio.sleep(0.01)
+            before = eng.progress.snapshot().counter
+            await asyncio.sleep(0.1)
+            stats = await eng.stats()  # the actor still answers: only the loop is wedged
+            after = eng.progress.snapshot().counter
+            assert stats["running"] == 1 and not stream.done()
+        finally:
+            failpoints.disarm_all()
+        return before, after, await asyncio.wait_for(stream, 10)
+
+    before, after, chunks = asyncio.run(scenario())
+    assert before == after
+    assert chunks[-1].finish_reason == "length"

@@ -151,3 +151,16 @@ def test_worker_rejects_an_object_that_is_not_a_judge() -> None:
 def test_load_judge_names_a_missing_module() -> None:
     with pytest.raises(ImportError, match=r"judges\.no_such"):
         load_judge("judges.no_such:Judge")
+
+
+def test_judge_score_failpoint_raise_escapes_as_a_worker_fault() -> None:
+    from supervisor import failpoints
+    w = worker("CountingJudge")
+    failpoints.arm("judge.score", "raise")
+    try:
+        with pytest.raises(failpoints.FailpointError):
+            asyncio.run(w.score("1", "1", "k"))
+    finally:
+        failpoints.disarm_all()
+    assert CALLS == [] and w.stats()["in_flight"] == 0
+    assert asyncio.run(w.score("1", "1", "k"))["ok"] is True

@@ -196,3 +196,16 @@ def test_worker_rejects_bad_construction_arguments() -> None:
         SandboxWorker(None, -1)
     with pytest.raises(ValueError, match="cache_size"):
         SandboxWorker(None, 0, cache_size=0)
+
+
+def test_sandbox_exec_failpoint_raise_fails_the_call_before_any_code_runs() -> None:
+    from supervisor import failpoints
+    w = worker()
+    failpoints.arm("sandbox.exec", "raise")
+    try:
+        with pytest.raises(failpoints.FailpointError):
+            asyncio.run(w.execute(request("r-fp/tool-0")))
+    finally:
+        failpoints.disarm_all()
+    assert w.stats()["runs"] == 0 and w.stats()["in_flight"] == 0
+    assert asyncio.run(w.execute(request("r-fp/tool-0")))["outcome"] == "ok"

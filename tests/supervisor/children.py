@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 
+from supervisor.failpoints import failpoint
 from supervisor.progress import Progress
 
 SLEEPER = ("import os, time\n"
@@ -66,3 +67,14 @@ class Echo:
 
     def crash(self) -> None:
         raise RuntimeError("injected")
+
+
+class FaultPoint:
+    """A child whose ``hit`` passes the failpoint ``point``: an actor or in-process child."""
+
+    def __init__(self, point: str) -> None:
+        self.point = point
+
+    def hit(self, x: int = 0) -> int:
+        failpoint(self.point)
+        return x
