@@ -2,6 +2,8 @@
 
 Subcommands:
   erlay run CONFIG [key.sub=value ...]   run an RL job (local Ray, or --address / RAY_ADDRESS)
+  erlay run --resume RUN_DIR [...]        continue a killed run from its checkpoint and journal
+  erlay journal inspect RUN_DIR           rollouts by state; --rollout ID for one's history
   erlay demo                              a local supervision tree surviving kills
 
 Every invocation first checks that erlay's packages are erlay's own (see
@@ -27,11 +29,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log supervisor events")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run an RL job from a YAML config")
-    run.add_argument("config", help="YAML job config, e.g. configs/cpu.yaml")
+    run.add_argument("config", nargs="?", help="YAML job config, e.g. configs/cpu.yaml")
     run.add_argument("overrides", nargs="*", help="overrides such as learner.lr=3e-4")
     run.add_argument("--address", help="Ray cluster to attach to (default: RAY_ADDRESS, "
                      "else a local loopback Ray)")
     run.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR (killed, "
+                     "even by SIGKILL) from its last checkpoint and its journal; CONFIG is "
+                     "then the run's own config.yaml, and overrides still apply")
+    journal = sub.add_parser("journal", help="read a run's rollout journal")
+    journal_sub = journal.add_subparsers(dest="journal_command", required=True)
+    inspect = journal_sub.add_parser("inspect", help="rollouts by state, or one rollout's "
+                                     "full history")
+    inspect.add_argument("run_dir", help="the run directory (it holds journal/)")
+    inspect.add_argument("--rollout", help="show this rollout's full history")
+    inspect.add_argument("--state", choices=["in_flight", "completed", "consumed"],
+                         help="list the rollouts in this state")
     demo = sub.add_parser("demo", help="run a local supervision tree that survives kills")
     demo.add_argument("--kills", type=int, default=8, help="faults to inject (default 8)")
     demo.add_argument("--interval", type=float, default=0.5,
@@ -61,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     match args.command:
         case "run":
             return _run(args)
+        case "journal":
+            return _journal(args)
         case "demo":
             from supervisor.demo import run_demo
             return run_demo(kills=args.kills, interval_s=args.interval)
@@ -69,18 +84,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from actors.config import ConfigError, load_config
+    from actors.rundir import RunDir
     overrides = list(args.overrides)
+    config = args.config
+    if args.resume:
+        if config is not None and "=" in config:  # `run --resume DIR a.b=1`
+            overrides.insert(0, config)
+        elif config is not None:
+            print("erlay: --resume takes the run's own config.yaml; give overrides only",
+                  file=sys.stderr)
+            return 2
+        try:
+            run_dir = RunDir.open(args.resume)
+        except FileNotFoundError as exc:
+            print(f"erlay: cannot resume: {exc}", file=sys.stderr)
+            return 2
+        config = run_dir.config
+    elif config is None:
+        print("erlay: run needs a CONFIG (or --resume RUN_DIR)", file=sys.stderr)
+        return 2
     if args.address:
         overrides.append(f"ray.address={args.address}")
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(config, overrides)
     except ConfigError as exc:
         print(f"erlay: {exc}", file=sys.stderr)
         return 2
     from actors.job import Job
-    from actors.rundir import RunDir
-    run_dir = RunDir.create(cfg.run.run_dir, cfg.run.name)
-    print(f"erlay: run directory {run_dir.path}")
+    if not args.resume:
+        run_dir = RunDir.create(cfg.run.run_dir, cfg.run.name)
+    print(f"erlay: {'resuming' if args.resume else 'run directory'} {run_dir.path}")
     job = Job(cfg, run_dir)
     result = job.run(progress=not args.no_progress,
                      on_start=lambda tree: print(tree.render(), flush=True))
@@ -88,6 +121,22 @@ def _run(args: argparse.Namespace) -> int:
     if result.status != "finished":
         print(f"erlay: job failed: {result.reason}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _journal(args: argparse.Namespace) -> int:
+    from actors.journal_inspect import inspect_rollout, inspect_summary, list_rollouts
+    from supervisor.errors import ErlayError
+    try:
+        if args.rollout:
+            print(inspect_rollout(args.run_dir, args.rollout))
+        elif args.state:
+            print(list_rollouts(args.run_dir, args.state))
+        else:
+            print(inspect_summary(args.run_dir))
+    except ErlayError as exc:
+        print(f"erlay: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -144,6 +144,24 @@ class JudgeSection(Section):
         return _check_import_path(value)
 
 
+class JournalSection(Section):
+    fsync: Literal["batch", "always", "never"] = Field(
+        "batch", description="when the rollout journal fsyncs: every record, in batches, or "
+        "never (records still reach the OS at once, so a process crash loses nothing)")
+    fsync_every_records: int = Field(256, ge=1, description="batch: fsync after this many "
+                                     "records")
+    fsync_every_s: float = Field(0.05, gt=0, description="batch: or after this long")
+    segment_mb: float = Field(8.0, gt=0, description="roll to a new segment file at this size")
+    snapshot_every: int = Field(20000, ge=1, description="snapshot and compact after this "
+                                "many records, so recovery reads one snapshot and a short tail")
+
+
+class CheckpointSection(Section):
+    every_steps: int = Field(10, ge=1, description="save learner state + a journal snapshot "
+                             "every this many RL steps (asynchronously)")
+    keep: int = Field(3, ge=1, description="checkpoints kept on disk")
+
+
 class DomainFlags(Section):
     intensity: int = Field(5, ge=0)
     period: float = Field(30.0, gt=0)
@@ -171,6 +189,8 @@ class JobConfig(Section):
     environment: EnvironmentSection = EnvironmentSection()
     sandbox: SandboxSection = SandboxSection()
     judge: JudgeSection = JudgeSection()
+    journal: JournalSection = JournalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
     supervision: SupervisionSection = SupervisionSection()
 
     def to_yaml(self) -> str:

@@ -15,6 +15,7 @@ Data order is deterministic: step ``n``, group ``g`` plays episode ``n * groups 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -24,8 +25,9 @@ import ray
 
 from actors.domains import CHILD_GONE, EnginePool, JudgeClient, SandboxClient, Weights
 from actors.grpo import staleness_ok
+from actors.journal import Journal
 from actors.learner_core import TrainBatch
-from actors.rollout import RolloutRunner, SamplingParams, Trajectory
+from actors.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
 from actors.tokenizer import CharTokenizer
 from actors.transitions import Transition, TransitionKind, TransitionSink
 from supervisor.progress import Progress
@@ -56,6 +58,15 @@ def demonstration_tokens(pairs: list[tuple[str, str]],
     return out
 
 
+def tokens_digest(trajectories: list[Trajectory]) -> str:
+    """A short digest of every completion of a step, by rollout id: two runs that generated
+    the same tokens (the replay invariant) have the same digests."""
+    h = hashlib.blake2b(digest_size=8)
+    for traj in sorted(trajectories, key=lambda t: t.rollout_id):
+        h.update(f"{traj.rollout_id}:{','.join(map(str, traj.completion_ids))};".encode())
+    return h.hexdigest()
+
+
 class RolloutCoordinator:
     """Runs warm start, then ``steps`` GRPO steps; reports metrics through ``report``."""
 
@@ -71,6 +82,11 @@ class RolloutCoordinator:
         self.sandbox: SandboxClient | None = None
         self.judge: JudgeClient | None = None
         self.engines: EnginePool | None = None
+        self.journal: Journal | None = job.journal
+        self.reported_upto = -1   # metrics.jsonl already holds steps up to this one
+        self.rewinds = 0
+        self.checkpoint_exposed_s: list[float] = []   # per save, seconds the learner blocked
+        job.coordinator = self
 
     async def setup(self) -> None:
         tree, paths = self.job.tree, self.job.paths
@@ -87,36 +103,129 @@ class RolloutCoordinator:
 
     # ------------------------------------------------------------------------ the loop
     async def run(self) -> None:
+        """Train steps ``start..steps-1``, where ``start`` is the learner's own step: 0 on a
+        fresh job, the restored checkpoint's step on ``--resume``, the live learner's step
+        when only this coordinator restarted.
+
+        Exactly-once: step ``n`` trains on the rollouts ``r{n}-*``, whatever the timeline.
+        If the learner domain restarts and restores an older checkpoint, ``train_step``
+        says so (``stale_step``) and the loop rewinds to the learner's step; the steps since
+        that checkpoint are fed again from the journal, each rollout to the same step."""
+        try:
+            await self._run()
+        except Exception:
+            # The supervisor records the exit reason; the traceback is what a user debugging
+            # a crash loop needs, and only this process has it.
+            log.exception("rollout coordinator crashed")
+            raise
+
+    async def _run(self) -> None:
         assert self.runner is not None and self.engines is not None
         cfg = self.cfg
-        await self._warm_start()
+        n = await self._restore_or_warm_start()
         steps, lookahead = cfg.run.steps, cfg.rollout.max_staleness
         generation: dict[int, asyncio.Task[tuple[list[Trajectory], float]]] = {}
-        for n in range(min(steps, lookahead + 1)):
-            generation[n] = asyncio.create_task(self._generate_step(n), name=f"gen-step-{n}")
-        for n in range(steps):
+        while n < steps:
+            for ahead in range(n, min(steps, n + lookahead + 1)):
+                if ahead not in generation:
+                    generation[ahead] = asyncio.create_task(self._generate_step(ahead),
+                                                            name=f"gen-step-{ahead}")
             step_started = time.monotonic()
             trajectories, gen_seconds = await generation.pop(n)
             gen_wait = time.monotonic() - step_started
             batch, dropped = self._batch(n, trajectories)
             train_started = time.monotonic()
-            metrics = await self._train(batch)
+            metrics = await self._train(batch, n)
+            if metrics.get("stale_step"):
+                n = await self._rewind(n, int(metrics["learner_step"]))
+                continue
             weights = await self._publish()
             train_seconds = time.monotonic() - train_started
-            for traj in trajectories:
-                if traj.rollout_id in batch.rollout_ids:
-                    self.sink.record(Transition(TransitionKind.CONSUMED, traj.rollout_id,
-                                                {"step": n, "version": weights.version}))
-            ahead = n + 1 + lookahead
-            if ahead < steps:
-                generation[ahead] = asyncio.create_task(self._generate_step(ahead),
-                                                        name=f"gen-step-{ahead}")
-            self._report_step(n, trajectories, dropped, metrics, gen_seconds, gen_wait,
-                              train_seconds, time.monotonic() - step_started)
+            for rid in batch.rollout_ids:
+                self.sink.record(Transition(TransitionKind.CONSUMED, rid,
+                                            {"step": n, "version": weights.version}))
+            # Report before checkpointing: a checkpoint may let the journal compact this
+            # step's rollouts, and a successor reports unreported steps from the journal.
+            if n > self.reported_upto:
+                self._report_step(n, trajectories, dropped, metrics, gen_seconds, gen_wait,
+                                  train_seconds, time.monotonic() - step_started)
+                self.reported_upto = n
+            if (n + 1) % cfg.checkpoint.every_steps == 0 or n + 1 == steps:
+                self.checkpoint_exposed_s.append(await self._checkpoint())
+            n += 1
+        await self._learner_call("wait_checkpoints")
         self.progress.end()
 
+    async def _restore_or_warm_start(self) -> int:
+        """The step to train next.  A learner that is past its warm start (restored from a
+        checkpoint, or alive while this coordinator restarted) keeps its timeline; else
+        warm-start, publish, and checkpoint at step 0, so a resume never warm-starts
+        again."""
+        status = await self._learner_call("status")
+        if self.journal is not None:
+            # Compaction keeps every rollout consumed since the newest committed checkpoint
+            # (all of them before the first): a restore can go back that far.
+            self.journal.retain_from_step(int(status.get("committed") or 0))
+        self.reported_upto = max((int(m["step"]) for m in self.job.run_dir.rl_steps()),
+                                 default=-1)
+        if status["warm_started"]:
+            step = int(status["step"])
+            self.base_version = int(status["version"]) - step
+            await self._publish()
+            log.warning("continuing at step %d (learner v%d%s)", step, status["version"],
+                        ", restored from a checkpoint" if status.get("restored") else "")
+            await self._account_unreported(step)
+            return step
+        await self._warm_start()
+        await self._checkpoint()
+        return 0
+
+    async def _account_unreported(self, learner_step: int) -> None:
+        """Steps the learner trained that this coordinator's predecessor did not live to
+        record: mark their rollouts consumed (they were trained on) and report them from the
+        journal, flagged ``recovered`` (the learner's loss for them is gone), so the
+        metrics have no gap and the journal no rollout left unconsumed."""
+        for n in range(self.reported_upto + 1, learner_step):
+            trajectories, _ = await self._generate_step(n)  # all journaled: nothing runs
+            for traj in trajectories:
+                self.sink.record(Transition(TransitionKind.CONSUMED, traj.rollout_id,
+                                            {"step": n, "version": self.base_version + n + 1}))
+            _, dropped = self._batch(n, trajectories)
+            self._report_step(n, trajectories, dropped, {"recovered": True,
+                                                         "version": self.base_version + n + 1},
+                              0.0, 0.0, 0.0, 0.0)
+            self.reported_upto = n
+
+    async def _rewind(self, n: int, learner_step: int) -> int:
+        """The learner restored a checkpoint at ``learner_step`` < ``n``: serve its weights
+        and go back to that step."""
+        self.rewinds += 1
+        log.warning("learner restarted from its checkpoint at step %d while step %d was "
+                    "training; feeding steps %d..%d again from the journal", learner_step, n,
+                    learner_step, n)
+        self.report({"phase": "rewind", "from_step": n, "to_step": learner_step})
+        await self._publish()
+        return learner_step
+
+    async def _checkpoint(self) -> float:
+        """Snapshot the journal, then save the learner asynchronously with the snapshot's
+        name; compaction then keeps what a restore to the newest committed checkpoint needs.
+        Returns the seconds the learner was blocked."""
+        snapshot = None
+        if self.journal is not None:
+            snapshot = self.journal.snapshot().snapshot
+        result = await self._learner_call("save_checkpoint", {
+            "journal_snapshot": snapshot, "base_version": self.base_version})
+        if self.journal is not None and result.get("committed") is not None:
+            self.journal.retain_from_step(int(result["committed"]))
+        self.report({"phase": "checkpoint", "step": result["step"],
+                     "exposed_s": round(float(result["exposed_s"]), 6),
+                     "committed": result.get("committed"), "journal_snapshot": snapshot})
+        return float(result["exposed_s"])
+
     async def _generate_step(self, n: int) -> tuple[list[Trajectory], float]:
-        """All rollouts of step ``n``: ``prompts_per_step`` groups of ``group_size``."""
+        """All rollouts of step ``n``: ``prompts_per_step`` groups of ``group_size``, each
+        continued from what the journal holds of it (nothing, for a new one)."""
         assert self.runner is not None
         cfg = self.cfg.rollout
         started = time.monotonic()
@@ -126,9 +235,23 @@ class RolloutCoordinator:
             episode = self.job.env.reset(index, self.cfg.run.seed)
             for k in range(cfg.group_size):
                 rid = f"r{n:05d}-g{g:03d}-{k}"
-                plays.append(self.runner.play(rid, n, g, episode, index))
+                plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
         trajectories = await asyncio.gather(*plays)
         return list(trajectories), time.monotonic() - started
+
+    def _history(self, rollout_id: str) -> RolloutHistory | None:
+        if self.journal is None:
+            return None
+        with self.journal.locked() as state:
+            record = state.rollout(rollout_id)
+            if record is None:
+                if rollout_id in state.consumed:  # compacted: its checkpoint has committed
+                    raise RuntimeError(f"rollout {rollout_id} was compacted out of the "
+                                       "journal but must be fed again")
+                return None
+            return RolloutHistory.from_parts(
+                True, record.chunks, [int(o["turn"]) for o in record.observations],
+                record.tool_results, record.judgements, record.completed is not None)
 
     def _batch(self, n: int, trajectories: list[Trajectory]) -> tuple[TrainBatch, int]:
         """The step's TrainBatch.  Stale trajectories and samples whose judge failed are
@@ -187,10 +310,11 @@ class RolloutCoordinator:
                             method, type(exc).__name__)
                 await asyncio.sleep(0.2)
 
-    async def _train(self, batch: TrainBatch) -> dict[str, Any]:
+    async def _train(self, batch: TrainBatch, n: int) -> dict[str, Any]:
         self.progress.begin("train_step")
         try:
-            return dict(await self._learner_call("train_step", batch.to_dict(), all_ranks=True))
+            return dict(await self._learner_call("train_step", batch.to_dict(), n,
+                                                 all_ranks=True))
         finally:
             self.progress.tick()
 
@@ -227,4 +351,6 @@ class RolloutCoordinator:
             "gen_s": round(gen_seconds, 4), "gen_wait_s": round(gen_wait, 4),
             "train_s": round(train_seconds, 4), "step_s": round(step_seconds, 4),
             "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
+            "tokens_digest": tokens_digest(trajectories),
+            "recovered": bool(metrics.get("recovered", False)),
         })

@@ -65,13 +65,23 @@ class EnginePool:
         self._load: dict[str, int] = {p: 0 for p in paths}
         self._admitting: dict[str, asyncio.Task[None]] = {}
 
-    async def acquire(self, timeout_s: float = 120.0) -> ChildRef:
-        """A running, admitted engine with the fewest requests in flight."""
+    async def acquire(self, timeout_s: float = 120.0,
+                      exclude: frozenset[tuple[str, int]] = frozenset()) -> ChildRef:
+        """A running, admitted engine with the fewest requests in flight.
+
+        ``exclude`` holds (path, incarnation) pairs that already failed the caller: an
+        engine that just died looks running until its supervisor notices, and a failover
+        must not land on it again."""
         deadline = time.monotonic() + timeout_s
         while True:
             running = await _wait_for_any(self.refs, max(0.0, deadline - time.monotonic()))
             admitted = []
             for ref in running:
+                try:
+                    if (ref.path, ref.incarnation) in exclude:
+                        continue
+                except CHILD_GONE:
+                    continue
                 try:
                     if await self._admit(ref):
                         admitted.append(ref)
@@ -177,10 +187,16 @@ class EngineBatcher:
                         if chunk.get("finished"):
                             del queues[chunk["request_id"]]
         except BaseException as exc:  # every waiting rollout must hear of it
-            for queue in queues.values():
-                queue.put_nowait(exc)
             if not isinstance(exc, Exception):
+                for queue in queues.values():
+                    queue.put_nowait(exc)
                 raise
+            # One fresh error per rollout: a shared exception object would collect every
+            # rollout's traceback as each re-raises it.  Any failure of the call (the actor
+            # died, or its method raised) fails the rollouts over to another engine.
+            for queue in queues.values():
+                queue.put_nowait(ChildNotRunning(f"{engine.path} failed under the stream: "
+                                                 f"{type(exc).__name__}: {exc}"[:500]))
             return
         for queue in queues.values():  # the stream ended without finishing them
             queue.put_nowait(ChildNotRunning(f"{engine.path} ended the stream early"))

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.config import DomainFlags, JobConfig
+from actors.journal import FsyncPolicy, Journal
 from actors.rundir import RunDir
 from actors.tokenizer import CharTokenizer
-from actors.transitions import NullTransitions, TransitionSink
+from actors.transitions import NullTransitions, TeeTransitions, TransitionSink
 from environments.base import load_environment
 from supervisor.errors import SupervisorFailed
 from supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
@@ -90,12 +91,27 @@ class Job:
     """One RL job: config in, run directory out."""
 
     def __init__(self, cfg: JobConfig, run_dir: RunDir,
-                 transitions: TransitionSink | None = None) -> None:
+                 transitions: TransitionSink | None = None, *, journal: bool = True) -> None:
+        """``journal=False`` runs without the rollout journal (and so without replay after a
+        coordinator restart or ``--resume``).  ``transitions``, when given, also receives
+        every transition (tests, benchmarks)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.tokenizer = CharTokenizer()
         self.env = load_environment(cfg.environment.cls, **cfg.environment.kwargs)
-        self.transitions = transitions or NullTransitions()
+        self.journal: Journal | None = None
+        if journal:
+            jc = cfg.journal
+            self.journal = Journal.open(
+                run_dir.journal, fsync=FsyncPolicy(jc.fsync_every_records, jc.fsync_every_s,
+                                                   jc.fsync),
+                segment_bytes=int(jc.segment_mb * 1024 * 1024), snapshot_every=jc.snapshot_every)
+            if not self.journal.recovery.clean:
+                log.warning("journal: %s", self.journal.recovery.describe())
+        sinks = [s for s in (self.journal, transitions) if s is not None]
+        self.transitions: TransitionSink = (TeeTransitions(*sinks) if len(sinks) > 1 else
+                                            sinks[0] if sinks else NullTransitions())
+        self.coordinator: Any = None  # the running RolloutCoordinator (it registers itself)
         self.metrics: queue.Queue[dict[str, Any]] = queue.Queue()
         self.restarts = RestartCounter()
         self._jsonl = JsonlSink(run_dir.events)
@@ -130,7 +146,8 @@ class Job:
             torch_threads=cfg.learner.torch_threads, minibatches=cfg.learner.minibatches,
             rank=r, world_size=cfg.learner.num_ranks, master_port=master_port,
             temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
-            lr_min_ratio=cfg.learner.lr_min_ratio)),
+            lr_min_ratio=cfg.learner.lr_min_ratio, checkpoint_dir=str(self.run_dir.checkpoints),
+            checkpoint_keep=cfg.checkpoint.keep)),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
@@ -212,12 +229,17 @@ class Job:
                                exc.offender)
         except BaseException:
             tree.stop()
-            self._jsonl.close()
+            self._close()
             raise
-        self._jsonl.close()
+        self._close()
         self.run_dir.plot_rewards()
         self.run_dir.write_summary(result.status, result.wall_s, result.reason)
         return result
+
+    def _close(self) -> None:
+        self._jsonl.close()
+        if self.journal is not None:
+            self.journal.close()
 
     def _follow(self, tree: SupervisionTree, progress: bool) -> None:
         """Drain metrics into a progress bar until the tree ends."""

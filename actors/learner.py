@@ -13,17 +13,91 @@ publishes weights; every rank holds the same weights after each step.
 
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import ray
 
+from actors.checkpoint import AsyncCheckpointer, ensure_process_group, latest, load
 from actors.learner_core import LearnerCore, TrainBatch
+
+log = logging.getLogger("erlay.learner")
 
 __all__ = ["Learner", "TrainBatch"]
 
 
 class Learner(LearnerCore):
-    """One learner rank; see :class:`~actors.learner_core.LearnerCore` for the contracts."""
+    """One learner rank; see :class:`~actors.learner_core.LearnerCore` for the contracts.
+
+    With ``checkpoint_dir``, a new incarnation restores the newest committed checkpoint
+    there before it serves (every rank loads the same one: one_for_all restarts them
+    together), and :meth:`save_checkpoint` saves asynchronously into it.
+    """
+
+    def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_keep = checkpoint_keep
+        self._checkpointer: AsyncCheckpointer | None = None
+        self.restored: dict[str, Any] | None = None
+        info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        if info is not None:
+            state, extra = load(info.path)
+            self.load_state(state)
+            self.restored = {"step": info.step, "path": str(info.path), **extra}
+            log.warning("learner rank %d restored checkpoint %s (step %d)", self.rank,
+                        info.path.name, info.step)
+
+    def train_step(self, batch: dict[str, Any] | TrainBatch,
+                   expected_step: int | None = None) -> dict[str, float]:
+        """:meth:`LearnerCore.train_step`, then commit any checkpoint the background worker
+        has finished persisting (a non-blocking poll), so commits follow saves closely."""
+        metrics = super().train_step(batch, expected_step)
+        if self._checkpointer is not None:
+            self._checkpointer.poll()
+        return metrics
+
+    def status(self) -> dict[str, Any]:
+        """``{step, version, warm_started, restored, committed}``: ``restored`` describes the
+        checkpoint this incarnation started from (or is None), ``committed`` is the newest
+        committed checkpoint's step (or None)."""
+        info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        return {**super().status(), "restored": self.restored,
+                "committed": info.step if info else None}
+
+    def save_checkpoint(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Save this rank's state at its current step, asynchronously.
+
+        Blocks only for the copy to host memory and the hand-off to the checkpoint worker
+        process; persisting and the atomic commit happen there.  Only rank 0 saves (ranks
+        hold identical state after every step); other ranks return at once.  Returns
+        ``{step, exposed_s, committed}`` with the newest committed step so far.
+        """
+        if self.rank != 0 or self.checkpoint_dir is None:
+            return {"step": self._step, "exposed_s": 0.0, "committed": None}
+        if self._checkpointer is None:
+            if self.world_size > 1:
+                self._ensure_group()
+            ensure_process_group()
+            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
+        self._checkpointer.poll()  # commit finished saves first, so `committed` is current
+        started = time.perf_counter()  # exposed time: the host copy and the hand-off
+        with self._lock:  # no step may move the weights while they are staged
+            self._checkpointer.save(self._step, self._state_locked(copied=False), extra or {})
+        exposed = time.perf_counter() - started
+        info = latest(self.checkpoint_dir)
+        return {"step": self._step, "exposed_s": exposed,
+                "committed": info.step if info else None}
+
+    def wait_checkpoints(self) -> int | None:
+        """Block until every save is committed; the newest committed step."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+        info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        return info.step if info else None
 
     def publish(self) -> tuple[int, list[Any]]:
         """``(version, [ref])``: the current weights put in the object store.
@@ -39,5 +113,13 @@ class Learner(LearnerCore):
         return version, [ray.put(weights)]
 
     def erlay_terminate(self) -> None:
-        """On a polite shutdown, leave the process group so peers fail fast, not by timeout."""
+        """On a polite shutdown, commit pending checkpoints, then leave the process group so
+        peers fail fast, not by timeout."""
+        if self._checkpointer is not None:
+            try:
+                self._checkpointer.wait()
+                self._checkpointer.close()
+            except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask
+                log.error("learner rank %d: pending checkpoint failed at shutdown: %s",
+                          self.rank, exc)
         self.close()

@@ -224,6 +224,7 @@ class LearnerCore:
         self.progress = Progress()
         self._step = 0
         self._version = 0
+        self._warm_started = False   # a warm start (sft) finished: a resume must not redo it
         self._lock = threading.Lock()
         self._group_ready = False
         log.info("learner rank %d/%d: %d parameters, seed %d", rank, world_size,
@@ -233,6 +234,12 @@ class LearnerCore:
     def version(self) -> int:
         """The policy version of the current weights."""
         return self._version
+
+    def status(self) -> dict[str, Any]:
+        """``{step, version, warm_started}``: where this learner's timeline is."""
+        with self._lock:
+            return {"step": self._step, "version": self._version,
+                    "warm_started": self._warm_started}
 
     def weights(self) -> dict[str, np.ndarray]:
         """The current weights as numpy arrays, as engines load them."""
@@ -253,7 +260,8 @@ class LearnerCore:
         return [logp[i, :len(c)].tolist() for i, c in enumerate(completions)]
 
     # ------------------------------------------------------------------------- updates
-    def train_step(self, batch: dict[str, Any] | TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: dict[str, Any] | TrainBatch,
+                   expected_step: int | None = None) -> dict[str, float]:
         """One GRPO update on ``batch`` (a :class:`TrainBatch` or its ``to_dict()``).
 
         Advantages come from the whole batch's groups.  Proximal (and reference) logprobs for
@@ -267,6 +275,11 @@ class LearnerCore:
         ``tokens`` are global.  Staleness is measured against the version the step started
         from.
         """
+        if expected_step is not None and expected_step != self._step:
+            # This learner was restored from a checkpoint behind the caller's timeline (a
+            # restart of the learner domain): train nothing, say where it is, and let the
+            # caller feed the steps since that checkpoint again, in order.
+            return {"stale_step": True, "learner_step": self._step, "version": self._version}
         tb = batch if isinstance(batch, TrainBatch) else TrainBatch.from_dict(batch)
         with self._lock, self.progress.working("train_step", work=f"step {self._step + 1}"):
             started, start_version = time.perf_counter(), self._version
@@ -352,6 +365,7 @@ class LearnerCore:
                 tokens += int(n_global)
                 self.progress.tick()
             self._version += 1
+            self._warm_started = True
             if self.reference is not None:
                 self.reference = self._frozen_copy()
         for group in self.optimizer.param_groups:
@@ -368,17 +382,27 @@ class LearnerCore:
         """Everything needed to resume exactly, as picklable CPU objects (copies, not views
         of the live state)."""
         with self._lock:
-            return {
-                "format": STATE_FORMAT,
-                "model_config": self.config.to_dict(),
-                "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                "reference": None if self.reference is None else
-                {k: v.detach().clone() for k, v in self.reference.state_dict().items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "step": self._step,
-                "version": self._version,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            }
+            return self._state_locked(copied=True)
+
+    def _state_locked(self, copied: bool) -> dict[str, Any]:
+        """:meth:`state`, under the lock.  ``copied=False`` returns views of the live tensors:
+        only for a caller that copies them before releasing the lock (the checkpointer
+        stages them into its own buffer), so the host copy is made once, not twice."""
+        def tensors(sd: dict[str, Any]) -> dict[str, Any]:
+            return {k: v.detach().clone() if copied else v.detach() for k, v in sd.items()}
+        optimizer = self.optimizer.state_dict()
+        return {
+            "format": STATE_FORMAT,
+            "model_config": self.config.to_dict(),
+            "model": tensors(self.model.state_dict()),
+            "reference": None if self.reference is None else
+            tensors(self.reference.state_dict()),
+            "optimizer": copy.deepcopy(optimizer) if copied else optimizer,
+            "step": self._step,
+            "version": self._version,
+            "warm_started": self._warm_started,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
 
     def load_state(self, state: dict[str, Any]) -> int:
         """Restore a :meth:`state`; returns the restored version.
@@ -401,6 +425,7 @@ class LearnerCore:
             if self.reference is not None:
                 self.reference.load_state_dict(state["reference"] or state["model"])
             self._step, self._version = int(state["step"]), int(state["version"])
+            self._warm_started = bool(state.get("warm_started", True))
             torch.set_rng_state(state["rng"]["torch"])
             random.setstate(state["rng"]["python"])
         log.info("learner rank %d restored step %d, version %d", self.rank, self._step,

@@ -13,6 +13,7 @@ a zero reward with a recorded ``failure``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,11 @@ from actors.transitions import Transition, TransitionKind, TransitionSink
 from environments.base import Environment, Episode, tool_output_from_result
 
 log = logging.getLogger("erlay.rollout")
+
+# How long one turn keeps failing over before its rollout fails: long enough for every
+# engine to be restarted, short enough that a generation domain that is gone for good
+# surfaces as the coordinator's error.
+FAILOVER_BUDGET_S = 300.0
 
 
 @dataclass
@@ -64,6 +70,58 @@ class SamplingParams:
     base_seed: int
 
 
+@dataclass
+class TurnHistory:
+    """What the journal holds of one turn's generation."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class RolloutHistory:
+    """A rollout as journaled so far: replaying it re-executes nothing that already ran.
+
+    Built from the journal's record of the rollout (:meth:`from_chunks` takes its parts), it
+    gives :meth:`RolloutRunner.play` each turn's journaled tokens (continued, not regenerated,
+    when the turn did not finish), the tool results and judgements by idempotency key, and
+    which transitions are already recorded, so replay records only what is new.
+    """
+
+    dispatched: bool = False
+    turns: dict[int, TurnHistory] = field(default_factory=dict)
+    observations: set[int] = field(default_factory=set)
+    tool_results: dict[str, Any] = field(default_factory=dict)
+    judgements: dict[str, Any] = field(default_factory=dict)
+    completed: bool = False
+
+    @staticmethod
+    def from_parts(dispatched: bool, chunks: list[dict[str, Any]], observations: list[int],
+                   tool_results: dict[str, Any], judgements: dict[str, Any],
+                   completed: bool) -> RolloutHistory:
+        """``chunks`` are CHUNK transition data in any order, duplicates allowed (a replay
+        after a crash may have recorded a chunk twice); each turn keeps the contiguous run of
+        tokens from position 0."""
+        history = RolloutHistory(dispatched, {}, set(observations), dict(tool_results),
+                                 dict(judgements), completed)
+        by_turn: dict[int, dict[int, dict[str, Any]]] = {}
+        for chunk in chunks:
+            by_turn.setdefault(int(chunk["turn"]), {})[int(chunk["start"])] = chunk
+        for turn, starts in by_turn.items():
+            th = history.turns[turn] = TurnHistory()
+            while len(th.token_ids) in starts:
+                chunk = starts[len(th.token_ids)]
+                th.token_ids += [int(t) for t in chunk["token_ids"]]
+                th.logprobs += [float(x) for x in chunk["logprobs"]]
+                th.versions += [int(chunk["version"])] * len(chunk["token_ids"])
+                th.finished = bool(chunk.get("finished", False))
+                if th.finished or not chunk["token_ids"]:
+                    break
+        return history
+
+
 class RolloutRunner:
     """Plays rollouts; shared by every rollout of a job."""
 
@@ -80,16 +138,30 @@ class RolloutRunner:
         self.max_seq_len = max_seq_len
         self.generate_seconds = 0.0
         self.batcher = EngineBatcher()
+        # (rollout id, first failure, first chunk after it on another engine), per failover
+        self.resumes: list[tuple[str, float, float]] = []
+        self.tool_results_reused = 0
+        self.tokens_regenerated = 0   # tokens an engine sent again after a failover
+        self._reported_failures: set[tuple[str, int]] = set()
 
     async def play(self, rollout_id: str, step: int, group: int, episode: Episode,
-                   episode_index: int) -> Trajectory:
+                   episode_index: int, history: RolloutHistory | None = None) -> Trajectory:
+        """Play one rollout to its reward, or continue it from its journaled ``history``.
+
+        Rollout ids, seeds and episodes are deterministic, so a continued rollout is the
+        one that would have been played: journaled tokens are kept and generation resumes
+        after them, journaled tool results and judgements are reused (never re-run), and
+        only transitions the journal lacks are recorded.
+        """
+        history = history or RolloutHistory()
         prompt_ids = self.tok.encode(episode.prompt, bos=True)
         traj = Trajectory(rollout_id, step, group, episode_index, prompt_ids)
         seed = rollout_seed(self.sampling.base_seed, rollout_id)
-        self.sink.record(Transition(TransitionKind.DISPATCHED, rollout_id, {
-            "episode": episode.to_dict(), "prompt_ids": prompt_ids, "seed": seed,
-            "version": self.engines.weights.version if self.engines.weights else 0,
-            "step": step, "group": group, "episode_index": episode_index}))
+        if not history.dispatched:
+            self.sink.record(Transition(TransitionKind.DISPATCHED, rollout_id, {
+                "episode": episode.to_dict(), "prompt_ids": prompt_ids, "seed": seed,
+                "version": self.engines.weights.version if self.engines.weights else 0,
+                "step": step, "group": group, "episode_index": episode_index}))
         result = None
         for turn in range(self.env.max_turns):
             traj.turns = turn + 1
@@ -98,8 +170,13 @@ class RolloutRunner:
             if budget <= 0:
                 traj.failure = "context full"
                 break
-            tokens, logprobs, versions = await self._generate(rollout_id, turn, context, seed,
-                                                              budget, traj)
+            journaled = history.turns.get(turn, TurnHistory())
+            if journaled.finished:
+                tokens, logprobs, versions = (journaled.token_ids, journaled.logprobs,
+                                              journaled.versions)
+            else:
+                tokens, logprobs, versions = await self._generate(
+                    rollout_id, turn, context, seed, budget, traj, journaled)
             traj.completion_ids += tokens
             traj.logprobs += logprobs
             traj.versions += versions
@@ -111,31 +188,42 @@ class RolloutRunner:
                 break
             traj.tool_calls += 1
             observation = await self._tool(rollout_id, traj.tool_calls - 1,
-                                           result.tool_call.code, episode)
+                                           result.tool_call.code, episode, history)
             episode, obs_text = observation
             obs_ids = self.tok.encode(obs_text)
-            self.sink.record(Transition(TransitionKind.OBSERVATION, rollout_id,
-                                        {"turn": turn, "token_ids": obs_ids}))
+            if turn not in history.observations:
+                self.sink.record(Transition(TransitionKind.OBSERVATION, rollout_id,
+                                            {"turn": turn, "token_ids": obs_ids}))
             traj.completion_ids += obs_ids
             traj.logprobs += [0.0] * len(obs_ids)
             traj.versions += [-1] * len(obs_ids)
             traj.loss_mask += [False] * len(obs_ids)
-        await self._reward(traj, episode, result)
-        self.sink.record(Transition(TransitionKind.COMPLETED, rollout_id, {
-            "reward": traj.reward, "judged_ok": traj.judged_ok, "failure": traj.failure,
-            "turns": traj.turns}))
+        await self._reward(traj, episode, result, history)
+        if not history.completed:
+            self.sink.record(Transition(TransitionKind.COMPLETED, rollout_id, {
+                "reward": traj.reward, "judged_ok": traj.judged_ok, "failure": traj.failure,
+                "turns": traj.turns}))
         return traj
 
     async def _generate(self, rollout_id: str, turn: int, context: list[int], seed: int,
-                        budget: int, traj: Trajectory) -> tuple[list[int], list[float],
-                                                                list[int]]:
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
+                        budget: int, traj: Trajectory,
+                        journaled: TurnHistory) -> tuple[list[int], list[float], list[int]]:
+        """Generate one turn, continuing after its ``journaled`` tokens.  If the engine dies,
+        continue on another one from the tokens received (the dead one's restart is not
+        awaited); the first chunk after such a failover is timed in ``resumes``."""
+        tokens = list(journaled.token_ids)
+        logprobs = list(journaled.logprobs)
+        versions = list(journaled.versions)
+        traj.resumed += bool(tokens)
         started = time.monotonic()
-        failures = 0
+        failed_at: float | None = None
+        if len(tokens) >= budget:  # every token was journaled; only the final chunk was lost
+            return tokens, logprobs, versions
+        failed_engines: set[tuple[str, int]] = set()
+        give_up = time.monotonic() + FAILOVER_BUDGET_S
         while True:
-            engine = await self.engines.acquire()
+            engine = await self.engines.acquire(exclude=frozenset(failed_engines))
+            incarnation = engine.incarnation
             request = GenerationRequest(
                 request_id=f"{rollout_id}/t{turn}", prompt_ids=tuple(context),
                 max_new_tokens=budget - len(tokens), seed=seed + turn,
@@ -144,10 +232,20 @@ class RolloutRunner:
             try:
                 async for data in self.batcher.stream(engine, request.to_dict()):
                     chunk = TokenChunk.from_dict(data)
-                    if chunk.token_ids:
+                    if chunk.start < len(tokens):  # a re-sent prefix: keep only what is new
+                        overlap = min(len(tokens) - chunk.start, len(chunk.token_ids))
+                        self.tokens_regenerated += overlap
+                        chunk = dataclasses.replace(
+                            chunk, start=chunk.start + overlap,
+                            token_ids=chunk.token_ids[overlap:], logprobs=chunk.logprobs[overlap:])
+                    if failed_at is not None and chunk.token_ids:
+                        self.resumes.append((rollout_id, failed_at, time.monotonic()))
+                        failed_at = None
+                    if chunk.token_ids or chunk.finished:
                         self.sink.record(Transition(TransitionKind.CHUNK, rollout_id, {
                             "turn": turn, "start": chunk.start, "token_ids": chunk.token_ids,
-                            "logprobs": chunk.logprobs, "version": chunk.version}))
+                            "logprobs": chunk.logprobs, "version": chunk.version,
+                            "finished": chunk.finished}))
                     tokens += chunk.token_ids
                     logprobs += chunk.logprobs
                     versions += [chunk.version] * len(chunk.token_ids)
@@ -155,29 +253,39 @@ class RolloutRunner:
                         self.generate_seconds += time.monotonic() - started
                         return tokens, logprobs, versions
             except CHILD_GONE as exc:
-                failures += 1
                 traj.resumed += 1
-                log.warning("engine %s died under %s/t%d after %d token(s); resuming on another "
-                            "engine (%s)", engine.path, rollout_id, turn, len(tokens),
-                            type(exc).__name__)
-                if failures > 20:
+                failed_at = failed_at or time.monotonic()
+                failed_engines.add((engine.path, incarnation))
+                if (engine.path, incarnation) not in self._reported_failures:
+                    self._reported_failures.add((engine.path, incarnation))
+                    log.warning("engine %s (incarnation %d) failed under streaming rollouts; "
+                                "resuming them on other engines (%s)", engine.path,
+                                incarnation, exc)
+                log.debug("engine %s failed under %s/t%d after %d token(s)", engine.path,
+                          rollout_id, turn, len(tokens))
+                if time.monotonic() > give_up:
                     raise
                 await asyncio.sleep(0.02)
             finally:
                 self.engines.release(engine)
 
-    async def _tool(self, rollout_id: str, n: int, code: str,
-                    episode: Episode) -> tuple[Episode, str]:
+    async def _tool(self, rollout_id: str, n: int, code: str, episode: Episode,
+                    history: RolloutHistory) -> tuple[Episode, str]:
         key = f"{rollout_id}/tool{n}"
-        self.sink.record(Transition(TransitionKind.TOOL_CALL, rollout_id,
-                                    {"key": key, "code": code}))
-        result = await self.sandbox.execute(key, code)
-        self.sink.record(Transition(TransitionKind.TOOL_RESULT, rollout_id,
-                                    {"key": key, "result": result}))
+        result = history.tool_results.get(key)
+        if result is None:  # never journaled: run it (again, if only the call was journaled)
+            self.sink.record(Transition(TransitionKind.TOOL_CALL, rollout_id,
+                                        {"key": key, "code": code}))
+            result = await self.sandbox.execute(key, code)
+            self.sink.record(Transition(TransitionKind.TOOL_RESULT, rollout_id,
+                                        {"key": key, "result": result}))
+        else:
+            self.tool_results_reused += 1
         text, ok = tool_output_from_result(result)
         return self.env.observe(episode, text, ok)
 
-    async def _reward(self, traj: Trajectory, episode: Episode, result: Any) -> None:
+    async def _reward(self, traj: Trajectory, episode: Episode, result: Any,
+                      history: RolloutHistory) -> None:
         if result is None or not result.done:
             traj.failure = traj.failure or (result.failure if result is not None else None) \
                 or "episode did not finish within max_turns"
@@ -189,9 +297,11 @@ class RolloutRunner:
             traj.reward = float(result.reward)
             return
         key = f"{traj.rollout_id}/judge"
-        judgement = await self.judge.score(key, result.judge_input or "", episode.answer)
-        self.sink.record(Transition(TransitionKind.JUDGED, traj.rollout_id,
-                                    {"key": key, "judgement": judgement}))
+        judgement = history.judgements.get(key)
+        if judgement is None:
+            judgement = await self.judge.score(key, result.judge_input or "", episode.answer)
+            self.sink.record(Transition(TransitionKind.JUDGED, traj.rollout_id,
+                                        {"key": key, "judgement": judgement}))
         traj.reward = float(judgement.get("reward", 0.0))
         traj.judged_ok = bool(judgement.get("ok", False))
         traj.judge_reason = str(judgement.get("reason", ""))

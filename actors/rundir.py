@@ -45,6 +45,30 @@ class RunDir:
             path = Path(f"{base}-{n}")
         return RunDir(path)
 
+    @staticmethod
+    def open(path: str | Path) -> RunDir:
+        """An existing run directory, to resume.  Raises FileNotFoundError naming what is
+        missing.  A torn last line of ``metrics.jsonl`` or ``events.jsonl`` (the driver died
+        mid-write) is cut, so the resumed run's lines follow whole ones."""
+        run = Path(path)
+        if not (run / "config.yaml").is_file():
+            raise FileNotFoundError(f"{run} is not an erlay run directory (no config.yaml)")
+        rd = RunDir(run)
+        for jsonl in (rd.metrics, rd.events):
+            data = jsonl.read_bytes() if jsonl.exists() else b""
+            if data and not data.endswith(b"\n"):
+                with open(jsonl, "r+b") as f:
+                    f.truncate(data.rfind(b"\n") + 1)
+        return rd
+
+    @property
+    def journal(self) -> Path:
+        return self.path / "journal"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
     @property
     def config(self) -> Path:
         return self.path / "config.yaml"

@@ -67,3 +67,14 @@ class MemoryTransitions:
     def of(self, kind: TransitionKind) -> list[Transition]:
         with self._lock:
             return [t for t in self.items if t.kind is kind]
+
+
+class TeeTransitions:
+    """Records every transition in each sink, in order (a journal and a test's memory)."""
+
+    def __init__(self, *sinks: TransitionSink) -> None:
+        self.sinks = sinks
+
+    def record(self, transition: Transition) -> None:
+        for sink in self.sinks:
+            sink.record(transition)

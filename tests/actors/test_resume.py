@@ -1,0 +1,140 @@
+"""Exactly-once training and ``--resume``, on a real local Ray with real checkpoints.
+
+- A learner SIGKILLed mid-run restores its last committed checkpoint; the steps since that
+  checkpoint are fed again, each rollout to the step that consumed it before, none twice.
+- A driver SIGKILLed mid-step is resumed with ``erlay run --resume``; the continuation's
+  metrics and consumption are those of an uninterrupted run with the same seeds (the loop is
+  synchronous here, ``max_staleness=0``, so both runs are deterministic).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from actors.checkpoint import latest
+from actors.config import load_config
+from actors.job import Job, JobResult
+from actors.journal import Journal
+from actors.rundir import RunDir
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "cpu.yaml"
+SMALL = ["warm_start.steps=30", "rollout.prompts_per_step=8", "rollout.group_size=4",
+         "rollout.max_staleness=0", "checkpoint.every_steps=2", "ray.num_cpus=4",
+         "learner.lr_decay_steps=0"]
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture
+def fresh_ray() -> Iterator[None]:
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+def consumed(run_dir: Path) -> dict[str, int]:
+    with Journal.open(run_dir / "journal", read_only=True) as journal:
+        return dict(journal.state.consumed)
+
+
+def check_exactly_once(by_id: dict[str, int], steps: int, per_step: int) -> None:
+    """Every rollout of every step consumed, by the step whose data it is, exactly once."""
+    assert len(by_id) == steps * per_step
+    for rid, step in by_id.items():
+        assert int(rid[1:6]) == step, (rid, step)
+    counts = [sum(1 for s in by_id.values() if s == n) for n in range(steps)]
+    assert counts == [per_step] * steps
+
+
+def test_learner_restart_feeds_the_steps_since_its_checkpoint_again(
+        tmp_path: Path, fresh_ray: None) -> None:
+    steps = 7
+    cfg = load_config(CONFIG, [*SMALL, f"run.steps={steps}", f"run.run_dir={tmp_path}"])
+    job = Job(cfg, RunDir.create(tmp_path, "learner-kill"))
+    results: list[JobResult] = []
+    runner = threading.Thread(target=lambda: results.append(job.run(progress=False)))
+    runner.start()
+    ckpts = job.run_dir.checkpoints
+
+    def killable() -> int | None:
+        # A step past the newest committed checkpoint, and not one about to be saved: the
+        # restarted learner must come back behind the coordinator.
+        assert job.tree is not None
+        learner = job.tree.ref("erlay/learner/learner-0")
+        import ray
+        step = ray.get(learner.actor.status.remote(), timeout=10)["step"]
+        info = latest(ckpts)
+        if info is not None and step >= 2 and step % 2 and step > info.step:
+            return int(learner.process.info["pid"])
+        return None
+
+    pid = wait_for(killable, 240, interval=0.05, what="a learner past its checkpoint")
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=300)
+    assert results and results[0].status == "finished", results and results[0].reason
+    metrics = job.run_dir.read_metrics()
+    rewinds = [m for m in metrics if m.get("phase") == "rewind"]
+    assert rewinds and rewinds[0]["to_step"] < rewinds[0]["from_step"]
+    assert [m["step"] for m in job.run_dir.rl_steps()] == list(range(steps))  # no dup, no gap
+    check_exactly_once(consumed(job.run_dir.path), steps, 32)
+
+
+def erlay(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "actors.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    steps = 6
+    args = ["run", str(CONFIG), *SMALL, f"run.steps={steps}", "--no-progress"]
+    reference = erlay(*args, f"run.run_dir={tmp_path / 'ref'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    (ref_dir,) = (tmp_path / "ref").iterdir()
+
+    killed = subprocess.Popen([sys.executable, "-m", "actors.cli", *args,
+                               f"run.run_dir={tmp_path / 'killed'}"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        def mid_run() -> Path | None:
+            for run in (tmp_path / "killed").glob("arithmetic-*"):
+                steps_done = RunDir(run).rl_steps()
+                if steps_done and steps_done[-1]["step"] >= 2:
+                    return run
+            return None
+        run_dir = wait_for(mid_run, 300, interval=0.05, what="the run at step 2")
+        os.kill(killed.pid, signal.SIGKILL)  # the driver only: Ray's processes share its fate
+        killed.wait(timeout=30)
+    finally:
+        try:
+            os.killpg(killed.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert isinstance(run_dir, Path)
+    before = RunDir(run_dir).rl_steps()
+    assert len(before) < steps  # it really was cut short
+
+    resumed = erlay("run", "--resume", str(run_dir), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got, want = RunDir(run_dir).rl_steps(), RunDir(ref_dir).rl_steps()
+    assert [m["step"] for m in got] == list(range(steps))
+    assert [m["reward_mean"] for m in got] == [m["reward_mean"] for m in want]
+    assert consumed(run_dir) == consumed(ref_dir)
+    check_exactly_once(consumed(run_dir), steps, 32)
+    assert "status: **finished**" in (run_dir / "summary.md").read_text()
