@@ -53,3 +53,32 @@ def test_demo_recovers_every_fault_and_exits_zero() -> None:
     result = erlay("demo", "--kills", "4", "--interval", "0.2", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4/4 faults recovered" in result.stdout and "0 orphans" in result.stdout
+
+
+def test_bad_config_override_fails_before_anything_starts() -> None:
+    result = erlay("run", "configs/cpu.yaml", "learner.lrr=1", "--no-progress")
+    assert result.returncode == 2
+    assert "learner.lrr: unknown key" in result.stderr and "did you mean 'lr'" in result.stderr
+
+
+def test_resume_of_a_directory_that_is_not_a_run_is_refused(tmp_path: Path) -> None:
+    result = erlay("run", "--resume", str(tmp_path), "--no-progress")
+    assert result.returncode == 2
+    assert "not an erlay run directory" in result.stderr
+
+
+def test_journal_inspect_shows_states_and_one_rollouts_history(tmp_path: Path) -> None:
+    from actors.journal import Journal
+    from actors.transitions import Transition, TransitionKind
+    with Journal.open(tmp_path / "journal") as journal:
+        journal.record(Transition(TransitionKind.DISPATCHED, "r1", {
+            "prompt_ids": [1, 2], "seed": 5, "version": 3, "step": 0, "group": 0}))
+        journal.record(Transition(TransitionKind.CHUNK, "r1", {
+            "turn": 0, "start": 0, "token_ids": [4], "logprobs": [-0.1], "version": 3}))
+    summary = erlay("journal", "inspect", str(tmp_path))
+    assert summary.returncode == 0, summary.stderr
+    assert "in_flight 1" in summary.stdout
+    history = erlay("journal", "inspect", str(tmp_path), "--rollout", "r1")
+    assert history.returncode == 0 and "chunk" in history.stdout
+    missing = erlay("journal", "inspect", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and missing.stderr
