@@ -1,0 +1,236 @@
+"""External fault injectors: what the chaos runner does to a running job.
+
+Each injector acts on one running :class:`~actors.job.Job` through its supervision tree and
+returns the :class:`~chaos.faults.FaultRecord` of what it did, stamped with the time it acted.
+Targets are tree paths or glob patterns over them (``erlay/generation/engine-*``); a
+pattern picks one matching child, round robin, so repeated faults spread over the domain.
+
+Every injector targets only this machine: signals go to pids the tree reports for this node,
+``ray.kill`` to this job's actors, sandbox attacks run inside the job's own sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import ray
+
+from actors.job import Job
+from chaos.faults import FaultRecord, domain_of
+from supervisor import failpoints
+
+log = logging.getLogger("erlay.chaos")
+
+SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigterm": signal.SIGTERM}
+
+# Where a failpoint lives when the scenario does not say: the processes that run that code.
+FAILPOINT_HOMES = {
+    "generation.decode_step": "erlay/generation/engine-*",
+    "generation.weight_update": "erlay/generation/engine-*",
+    "sandbox.exec": "erlay/sandbox/host@*",
+    "judge.score": "erlay/judge/host@*",
+    "judge.verdict": "erlay/judge/host@*",
+    "learner.train_step": "erlay/learner/learner-*",
+    "learner.checkpoint": "erlay/learner/learner-0",
+    "rollout.dispatch": "driver",
+    "host.spawn": "erlay/sandbox/host@*",
+}
+
+
+def tree_paths(job: Job) -> list[str]:
+    """Every child path of the job's tree that runs in a process of its own (actor children
+    and hosts); hosted children share their host's process and are reached through it."""
+    assert job.tree is not None
+    snapshot = job.tree.snapshot()
+    out: list[str] = []
+
+    def walk(rows: list[dict[str, Any]], prefix: str) -> None:
+        for row in rows:
+            path = f"{prefix}/{row['id']}"
+            if row.get("strategy") and not (row.get("info") or {}).get("pid"):
+                walk(row.get("children") or [], path)  # a supervisor: look inside
+            else:
+                out.append(path)
+    walk(snapshot["children"], snapshot["path"])
+    return out
+
+
+class Injector:
+    """Injects the faults of one chaos run into ``job``; keeps the records in order."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.records: list[FaultRecord] = []
+        self._ids = itertools.count()
+        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._timers: list[threading.Timer] = []
+        self.attack_results: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------- targets
+    def resolve(self, pattern: str) -> str:
+        """One running child path matching ``pattern`` (round robin over the matches)."""
+        matches = sorted(p for p in tree_paths(self.job) if fnmatch.fnmatchcase(p, pattern))
+        if not matches:
+            raise LookupError(f"no running child matches {pattern!r}")
+        turn = next(self._round_robin.setdefault(pattern, itertools.count()))
+        return matches[turn % len(matches)]
+
+    def _pid(self, path: str) -> int:
+        assert self.job.tree is not None
+        info = self.job.tree.ref(path).process.info
+        if not info.get("pid"):
+            raise LookupError(f"{path} reports no pid")
+        if info.get("node_id") not in (None, ray.get_runtime_context().get_node_id()):
+            raise LookupError(f"{path} runs on another node; signals stay on this machine")
+        return int(info["pid"])
+
+    def _record(self, kind: str, target: str, expect: str, detail: str = "") -> FaultRecord:
+        record = FaultRecord(id=next(self._ids), kind=kind, target=target,
+                             domain=domain_of(target), at=time.time(), expect=expect,
+                             detail=detail)
+        self.records.append(record)
+        log.warning("chaos: injected %s into %s (%s)", kind, target, detail or expect)
+        return record
+
+    # ----------------------------------------------------------------- injectors
+    def wait_for_phase(self, path: str, phase: str, timeout_s: float = 20.0) -> bool:
+        """Wait until ``path``, or a child it hosts, holds work in ``phase`` (the tree's
+        snapshot shows each child's phase), so a fault lands mid-work; False if that did not
+        happen within ``timeout_s``."""
+        assert self.job.tree is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if _holds_phase(self.job.tree.snapshot(timeout=5), path, phase):
+                    return True
+            except Exception:  # noqa: BLE001 - restarting: keep waiting
+                pass
+            time.sleep(0.01)
+        return False
+
+    def signal(self, kind: str, pattern: str, *, stop_s: float | None = None,
+               expect: str = "restart", during: str | None = None) -> FaultRecord:
+        """SIGKILL, SIGTERM or SIGSTOP (then SIGCONT after ``stop_s``; never, if None: a
+        hang for the child's progress deadline to find) of one child's process; with
+        ``during``, once the child holds work in that phase."""
+        path = self.resolve(pattern)
+        if during is not None and not self.wait_for_phase(path, during):
+            log.warning("chaos: %s never entered %s; signalling it anyway", path, during)
+        pid = self._pid(path)
+        os.kill(pid, SIGNALS[kind])
+        if kind == "sigstop" and stop_s is not None:
+            timer = threading.Timer(stop_s, _sigcont, args=(pid,))
+            timer.daemon = True
+            timer.start()
+            self._timers.append(timer)
+        return self._record(kind, path, expect, f"pid {pid}" + (
+            f", SIGCONT after {stop_s:g} s" if kind == "sigstop" and stop_s is not None else ""))
+
+    def ray_kill(self, pattern: str, expect: str = "restart") -> FaultRecord:
+        """``ray.kill`` of an actor child or a host (Ray's own way to lose an actor)."""
+        path = self.resolve(pattern)
+        assert self.job.tree is not None
+        ray.kill(self.job.tree.ref(path).actor, no_restart=True)
+        return self._record("ray_kill", path, expect)
+
+    def failpoint(self, name: str, spec: dict[str, Any], where: str | None = None,
+                  expect: str = "restart") -> FaultRecord:
+        """Arm failpoint ``name`` in the process(es) at ``where`` (a pattern; every match is
+        armed), or in this driver process for ``driver``."""
+        where = where or FAILPOINT_HOMES.get(name, "driver")
+        detail = f"{name} {spec}"
+        if where == "driver":
+            failpoints.arm_spec(name, failpoints.FailpointSpec.from_dict(spec))
+            return self._record("failpoint", "erlay/rollout/coordinator"
+                                if name.startswith("rollout.") else "driver", expect, detail)
+        assert self.job.tree is not None
+        targets = sorted(p for p in tree_paths(self.job) if fnmatch.fnmatchcase(p, where))
+        if not targets:
+            raise LookupError(f"no running child matches {where!r}")
+        for path in targets:
+            ray.get(self.job.tree.ref(path).actor._erlay_failpoints.remote("arm", name, spec),
+                    timeout=30)
+        target = targets[0] if len(targets) == 1 else where
+        return self._record("failpoint", target, expect, detail)
+
+    def sandbox_attack(self, attack: str, code: str) -> FaultRecord:
+        """Run hostile code as a tool call through the job's own sandbox client: the worker
+        must turn it into a typed result and survive."""
+        coordinator = self.job.coordinator
+        if coordinator is None or coordinator.sandbox is None or coordinator.loop is None:
+            raise LookupError("the rollout coordinator is not running")
+        record = self._record("sandbox_attack", "erlay/sandbox/host@node-0", "absorbed", attack)
+        key = f"chaos-{record.id}/{attack}"
+        future = asyncio.run_coroutine_threadsafe(coordinator.sandbox.execute(key, code),
+                                                  coordinator.loop)
+
+        def outcome(done: Any) -> None:
+            try:
+                result = done.result()
+                log.warning("chaos: %s -> %s", attack, result.get("outcome"))
+                self.attack_results.append({"attack": attack, **result})
+            except Exception as exc:  # noqa: BLE001 - recorded: the invariant reads it
+                self.attack_results.append({"attack": attack, "error": repr(exc)})
+        future.add_done_callback(outcome)
+        return record
+
+    def node_loss(self, cluster: Any) -> FaultRecord:
+        """Remove a worker node (never the head, which the driver is attached to) of a local
+        multi-node ``ray.cluster_utils.Cluster``, as if the machine died."""
+        head = cluster.head_node
+        workers = [n for n in cluster.worker_nodes if n is not head]
+        if not workers:
+            raise LookupError("the cluster has no worker node left to lose")
+        node = workers[0]
+        hosts = [p for p in tree_paths(self.job) if "/host@" in p
+                 and self.job.tree is not None
+                 and self.job.tree.ref(p).process.info.get("node_id") == node.node_id]
+        cluster.remove_node(node, allow_graceful=False)
+        # Attributed to the sandbox domain's host on that node when there is one: it is the
+        # child whose restart elsewhere shows the loss was handled.
+        target = next((p for p in hosts if p.startswith("erlay/sandbox/")),
+                      hosts[0] if hosts else "erlay/sandbox/host@*")
+        return self._record("node_loss", target, "restart", f"node {node.node_id[:12]}, "
+                            f"hosts {', '.join(hosts) or 'none'}")
+
+    def close(self) -> None:
+        """Cancel pending SIGCONTs' timers (sending them now) and disarm local failpoints."""
+        for timer in self._timers:
+            if timer.is_alive():
+                timer.cancel()
+                args = timer.args or ()
+                if args:
+                    _sigcont(int(args[0]))
+        failpoints.disarm_all()
+
+
+def _holds_phase(snapshot: dict[str, Any], path: str, phase: str) -> bool:
+    def find(rows: list[dict[str, Any]], prefix: str) -> dict[str, Any] | None:
+        for row in rows:
+            here = f"{prefix}/{row['id']}"
+            if here == path:
+                return row
+            if path.startswith(here + "/"):
+                return find(row.get("children") or [], here)
+        return None
+
+    def busy(row: dict[str, Any]) -> bool:
+        return row.get("phase") == phase or any(busy(c) for c in row.get("children") or [])
+
+    row = find(snapshot["children"], snapshot["path"])
+    return row is not None and busy(row)
+
+
+def _sigcont(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,524 @@
+"""The chaos suite's invariants: pure judgements of one finished run.
+
+Each invariant is a function of a :class:`RunObservation` (and, for the comparative ones, the
+observation of a fault-free run of the same config) that returns a :class:`Verdict`:
+``ok=True`` (held), ``ok=False`` (violated; ``detail`` says where) or ``ok=None`` (could not
+be judged; ``detail`` says why).  A skip is never silent and never counted as a pass.
+
+Nothing here does I/O or reads a clock: the runner gathers the observation (events file,
+metrics file, the journal's transition stream, the fault records, leftover processes) and
+these functions only compare, so every rule is unit-tested on hand-built runs.
+
+Times: event times and ``FaultRecord.at`` are unix seconds; a metric's ``time`` is seconds
+since the job started (``RunObservation.started_at``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.rundir import reward_window
+from chaos.faults import FaultRecord, domain_of
+from supervisor.events import EventKind, SupervisorEvent
+
+# How long after a fault its detection may come.  Hangs are found by progress deadlines, so
+# this must exceed the longest deadline a scenario arms.
+DETECTION_WINDOW_S = 30.0
+# Injectors stamp ``at`` right after they act (after os.kill returns), so a fast monitor can
+# report the exit a hair *before* ``at``; events this much earlier still count.
+DETECTION_SKEW_S = 1.0
+# Supervisors decide on their own clock and stamp events with the wall clock a moment later;
+# a restart this close to the edge of the intensity window is given the benefit of the doubt.
+INTENSITY_SLACK_S = 0.25
+DEFAULT_REWARD_TOLERANCE = 0.1
+END_EXPECTATIONS = ("finished", "escalation")
+STATUSES = ("finished", "failed", "timeout")
+
+_ROLLOUT_ID = re.compile(r"^r(\d+)-")  # f"r{step:05d}-g{group:03d}-{k}"
+_DETECTING = (EventKind.EXIT, EventKind.HANG)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One invariant's judgement.  ``ok`` is True (held), False (violated) or None (skipped,
+    with the reason in ``detail``)."""
+
+    name: str
+    ok: bool | None
+    detail: str
+
+    @property
+    def status(self) -> str:
+        """``PASS``, ``FAIL`` or ``SKIP``."""
+        return {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "status": self.status, "detail": self.detail}
+
+
+@dataclass
+class RunObservation:
+    """Everything the invariants look at, gathered from one run after it ended.
+
+    - ``events``: every supervisor event of the run (``events.jsonl``), in any order.
+    - ``metrics``: every ``metrics.jsonl`` record (all phases).  A step may appear twice in
+      phase ``rl``: once more after a learner rewind fed it again, or as a ``recovered`` record
+      a restarted coordinator wrote from the journal.
+    - ``consumed_transitions``: ``(rollout_id, step)`` of every CONSUMED transition the
+      journal recorded, in order, repeats included (a rewind consumes the same rollouts again).
+    - ``dispatched_ids``: the id of every rollout ever dispatched.
+    - ``steps_trained``: RL steps the run finished; steps ``0 .. steps_trained-1`` are done.
+    - ``faults``: the injected faults, in injection order.
+    - ``wall_s``: the run's wall-clock seconds, start to end.
+    - ``max_staleness``: the config's bound on a trajectory's policy-version lag.
+    - ``intensity``: supervisor path -> (restart intensity, period in seconds), for every
+      supervisor whose flags are known.
+    - ``orphans``: processes the run left behind, each ``{"pid": int, "cmdline": str}``.
+    - ``status``: how the run ended: ``finished``, ``failed`` or ``timeout``.
+    - ``offender``: for a failed run, the tree path the root named as the offender.
+    - ``started_at``: unix time the job started (a metric's ``time`` counts from it), or
+      None when unknown.
+    """
+
+    events: list[SupervisorEvent] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    consumed_transitions: list[tuple[str, int]] = field(default_factory=list)
+    dispatched_ids: set[str] = field(default_factory=set)
+    steps_trained: int = 0
+    faults: list[FaultRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+    max_staleness: int = 1
+    intensity: dict[str, tuple[int, float]] = field(default_factory=dict)
+    orphans: list[dict[str, Any]] = field(default_factory=list)
+    status: str = "finished"
+    offender: str | None = None
+    started_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status: expected one of {', '.join(STATUSES)}, "
+                             f"got {self.status!r}")
+
+    def rl_records(self) -> list[dict[str, Any]]:
+        """Every ``rl`` metric record, in file order, repeats included."""
+        return [m for m in self.metrics if m.get("phase") == "rl"]
+
+    def rl_steps(self) -> list[dict[str, Any]]:
+        """One ``rl`` record per step (the last one written), sorted by step."""
+        return distinct_steps(self.metrics)
+
+    def sorted_events(self) -> list[SupervisorEvent]:
+        return sorted(self.events, key=lambda e: e.time)
+
+
+def distinct_steps(metrics: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``rl`` record per step, the last written (the one that stuck), sorted by step."""
+    last: dict[int, dict[str, Any]] = {}
+    for m in metrics:
+        if m.get("phase") == "rl":
+            last[int(m["step"])] = m
+    return [last[s] for s in sorted(last)]
+
+
+def final_reward(metrics: Iterable[dict[str, Any]]) -> float | None:
+    """Mean ``reward_mean`` over the last 10% of distinct RL steps (at least one); None
+    without any RL step."""
+    rewards = [float(m["reward_mean"]) for m in distinct_steps(metrics)]
+    return reward_window(rewards, 0.1)[1] if rewards else None
+
+
+def rollout_step(rollout_id: str) -> int | None:
+    """The learner step a rollout id was made for (``r00042-g003-1`` -> 42), or None."""
+    m = _ROLLOUT_ID.match(rollout_id)
+    return int(m.group(1)) if m else None
+
+
+def _few(items: Iterable[object], n: int = 5) -> str:
+    items = list(items)
+    text = ", ".join(str(i) for i in items[:n])
+    return text + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+# ------------------------------------------------------------------------- exactly once
+
+def no_rollout_lost(obs: RunObservation) -> Verdict:
+    """Every dispatched rollout of every trained step was consumed by some learner step.
+
+    A rollout belongs to step n when its id starts with ``r{n:05d}``; steps
+    ``0 .. steps_trained-1`` finished, so each of their rollouts must have a CONSUMED
+    transition.  Rollouts of later steps (generated ahead, then the run ended) are not due.
+    An id that names no step cannot be judged and fails the check: the format is fixed.
+    """
+    name = "no_rollout_lost"
+    if obs.steps_trained <= 0:
+        return Verdict(name, True, "no step was trained, so no rollout was due")
+    if not obs.dispatched_ids:
+        return Verdict(name, None, f"{obs.steps_trained} steps trained but no dispatched "
+                                   "rollout was recorded (is the journal missing?)")
+    consumed = {rid for rid, _ in obs.consumed_transitions}
+    unparseable = sorted(r for r in obs.dispatched_ids if rollout_step(r) is None)
+    due = sorted(r for r in obs.dispatched_ids
+                 if (s := rollout_step(r)) is not None and s < obs.steps_trained)
+    lost = [r for r in due if r not in consumed]
+    covered = {rollout_step(r) for r in due}
+    problems = []
+    if lost:
+        problems.append(f"{len(lost)} of {len(due)} rollouts of trained steps were never "
+                        f"consumed: {_few(lost)}")
+    if unparseable:
+        problems.append(f"rollout ids naming no step: {_few(unparseable)}")
+    if problems:
+        return Verdict(name, False, "; ".join(problems))
+    detail = f"all {len(due)} rollouts of {obs.steps_trained} trained steps were consumed"
+    if len(covered) < obs.steps_trained:
+        # A resumed run's journal may hold only the consumed ids of earlier steps.
+        detail += f" ({obs.steps_trained - len(covered)} trained steps had no dispatch record)"
+    return Verdict(name, True, detail)
+
+
+def no_duplicate_consumption(obs: RunObservation) -> Verdict:
+    """No rollout was trained on by two different steps, and each by the step its id names.
+
+    The same ``(rollout_id, step)`` pair recorded more than once is allowed: when the learner
+    restarts from its last checkpoint, the coordinator feeds the steps since that checkpoint
+    again from the journal, and the learner (whose earlier update was lost with its state)
+    trains on the same rollouts for the same step.  That is a re-feed, not a second use.  What
+    breaks exactly-once training is one rollout in the batches of two different steps.
+    """
+    name = "no_duplicate_consumption"
+    if not obs.consumed_transitions:
+        return Verdict(name, True, "no rollout was consumed")
+    steps_of: dict[str, set[int]] = defaultdict(set)
+    for rid, step in obs.consumed_transitions:
+        steps_of[rid].add(int(step))
+    refeeds = len(obs.consumed_transitions) - sum(len(s) for s in steps_of.values())
+    twice = {r: sorted(s) for r, s in steps_of.items() if len(s) > 1}
+    misplaced = sorted((r, s) for r, steps in steps_of.items() for s in steps
+                       if rollout_step(r) != s)
+    problems = []
+    if twice:
+        problems.append("consumed by more than one step: " + _few(
+            f"{r} by steps {'/'.join(map(str, s))}" for r, s in sorted(twice.items())))
+    if misplaced:
+        problems.append("consumed by a step other than its id's: " + _few(
+            f"{r} by step {s}" for r, s in misplaced))
+    if problems:
+        return Verdict(name, False, "; ".join(problems))
+    return Verdict(name, True, f"{len(steps_of)} rollouts, each consumed by its own step "
+                               f"({refeeds} re-feeds after a learner rewind)")
+
+
+def staleness_within_bound(obs: RunObservation) -> Verdict:
+    """Every RL step's ``staleness_max`` (how many versions its oldest trajectory lagged the
+    learner) is at most ``max_staleness``."""
+    name = "staleness_within_bound"
+    checked = [m for m in obs.rl_records() if m.get("staleness_max") is not None]
+    if not checked:
+        return Verdict(name, None, "no rl step reported staleness_max")
+    over = [m for m in checked if float(m["staleness_max"]) > obs.max_staleness]
+    if over:
+        return Verdict(name, False, f"bound {obs.max_staleness} exceeded at " + _few(
+            f"step {m['step']} ({m['staleness_max']:g}, {m.get('dropped', 0)} dropped)"
+            for m in over))
+    worst = max(float(m["staleness_max"]) for m in checked)
+    return Verdict(name, True, f"{len(checked)} rl records, worst staleness {worst:g} "
+                               f"<= {obs.max_staleness}")
+
+
+def replay_identical(obs: RunObservation, fault_free: RunObservation | None = None) -> Verdict:
+    """Every step's ``tokens_digest`` equals the fault-free run's for the same step.
+
+    This is the replay invariant: sampling is seeded by (rollout id, token position), so a
+    rollout resumed on another engine from its journaled prefix is token-for-token the one
+    that never failed.  It holds only for synchronous RL (``max_staleness`` 0): with
+    staleness > 0, generation timing decides which policy version made each token, and a
+    restart legitimately changes that.  Every rl record is compared, re-fed steps included.
+    """
+    name = "replay_identical"
+    if fault_free is None:
+        return Verdict(name, None, "no fault-free run to compare with")
+    if obs.max_staleness > 0 or fault_free.max_staleness > 0:
+        bound = max(obs.max_staleness, fault_free.max_staleness)
+        return Verdict(name, None, f"max_staleness {bound} > 0: generation timing "
+                                   "legitimately changes which policy version made a token, "
+                                   "so digests may differ")
+    reference = {int(m["step"]): m.get("tokens_digest") for m in fault_free.rl_steps()}
+    compared, mismatched, uncompared = 0, [], 0
+    for m in obs.rl_records():
+        ours, theirs = m.get("tokens_digest"), reference.get(int(m["step"]))
+        if ours is None or theirs is None:
+            uncompared += 1
+            continue
+        compared += 1
+        if ours != theirs:
+            mismatched.append(int(m["step"]))
+    if not compared:
+        return Verdict(name, None, "no step with a tokens_digest in both runs")
+    if mismatched:
+        return Verdict(name, False, f"tokens differ from the fault-free run at steps "
+                                    f"{_few(sorted(set(mismatched)))}")
+    extra = f" ({uncompared} records without a counterpart)" if uncompared else ""
+    return Verdict(name, True, f"{compared} step records token-identical to the fault-free "
+                               f"run{extra}")
+
+
+# --------------------------------------------------------------------------- detection
+
+@dataclass(frozen=True)
+class FaultMatch:
+    """How the tree answered one fault.
+
+    ``ok`` is True when the answer is what ``fault.expect`` asks for, False when not, None
+    when the fault cannot be judged from supervisor events (a fault on the driver, which no
+    supervisor watches).  ``event`` is the event that detected it: the target's exit or hang
+    (``restart``), the domain's escalation (``escalation``), or the domain exit that broke an
+    ``absorbed`` fault.  ``outcome`` is one word: detected, undetected, wrong_domain,
+    escalated, not_escalated, absorbed, not_absorbed, unchecked.
+    """
+
+    fault: FaultRecord
+    ok: bool | None
+    outcome: str
+    event: SupervisorEvent | None
+    note: str
+
+    @property
+    def latency_s(self) -> float | None:
+        """Seconds from injection to the detecting event."""
+        return None if self.event is None else self.event.time - self.fault.at
+
+    def describe(self) -> str:
+        f = self.fault
+        return f"#{f.id} {f.kind} {f.target} ({f.expect}): {self.outcome}, {self.note}"
+
+
+def target_matches(event: SupervisorEvent, target: str) -> bool:
+    """Whether ``event`` concerns the fault target ``target``.
+
+    A tree path or glob matches the event's path or any path below it (a hosted worker of a
+    host that was hit).  A bare name (a node id) matches the children of that node: hosts
+    named ``...@<node>`` and events whose ``extra["node"]`` is it.
+    """
+    path = event.path
+    if "/" in target:
+        return fnmatch.fnmatchcase(path, target) or fnmatch.fnmatchcase(path, target + "/*")
+    return (event.extra.get("node") == target or path.endswith("@" + target)
+            or f"@{target}/" in path)
+
+
+def match_fault(fault: FaultRecord, events: list[SupervisorEvent], *,
+                window_s: float = DETECTION_WINDOW_S,
+                skew_s: float = DETECTION_SKEW_S) -> FaultMatch:
+    """Judge one fault against the run's events (any order).
+
+    - ``restart``: the first EXIT or HANG of the target within ``[at - skew_s, at + window_s]``
+      detects it, and its path's domain must be ``fault.domain`` (a ``node`` fault is seen
+      by every domain that had children there, so any domain counts).
+    - ``escalation``: an ESCALATION by a supervisor of ``fault.domain`` at or after
+      ``at - skew_s`` (no window: giving up takes intensity+1 failures, however long).
+    - ``absorbed``: no domain supervisor itself exits or hangs (an EXIT/HANG reported by the
+      root) within the window: the domain coped without giving up.
+    - a target of ``driver``: unchecked, since no supervisor watches the driver; the run's
+      end and the exactly-once invariants judge a driver fault instead.
+    """
+    lo, hi = fault.at - skew_s, fault.at + window_s
+    ordered = sorted(events, key=lambda e: e.time)
+    in_window = [e for e in ordered if lo <= e.time <= hi and e.context in _DETECTING]
+    match fault.expect:
+        case "restart":
+            if fault.target == "driver":
+                return FaultMatch(fault, None, "unchecked", None,
+                                  "no supervisor watches the driver")
+            hits = [e for e in in_window if target_matches(e, fault.target)]
+            if not hits:
+                elsewhere = _few(sorted({e.path for e in in_window}), 3)
+                note = f"no exit or hang of the target within {window_s:g} s"
+                return FaultMatch(fault, False, "undetected", None,
+                                  note + (f" (exits elsewhere: {elsewhere})" if elsewhere else ""))
+            hit = hits[0]
+            seen = domain_of(hit.path)
+            where = f"{hit.context.value} of {hit.path} after {1000 * (hit.time - fault.at):.0f} ms"
+            if fault.domain != "node" and seen != fault.domain:
+                return FaultMatch(fault, False, "wrong_domain", hit,
+                                  f"{where}: attributed to {seen}, expected {fault.domain}")
+            return FaultMatch(fault, True, "detected", hit, where)
+        case "escalation":
+            for e in ordered:
+                if e.context is EventKind.ESCALATION and e.time >= lo and (
+                        fault.domain == "node" or domain_of(e.supervisor) == fault.domain):
+                    return FaultMatch(fault, True, "escalated", e,
+                                      f"{e.supervisor} escalated after "
+                                      f"{e.time - fault.at:.1f} s ({e.reason})")
+            return FaultMatch(fault, False, "not_escalated", None,
+                              f"no escalation in the {fault.domain} domain after the fault")
+        case "absorbed":
+            broke = [e for e in in_window if "/" not in e.supervisor]
+            if broke:
+                return FaultMatch(fault, False, "not_absorbed", broke[0],
+                                  f"domain {broke[0].path} {broke[0].context.value} within "
+                                  f"{window_s:g} s ({broke[0].reason})")
+            return FaultMatch(fault, True, "absorbed", None,
+                              f"no domain supervisor exited within {window_s:g} s")
+    raise AssertionError(f"unreachable: expect {fault.expect!r}")  # FaultRecord validates
+
+
+def faults_detected(obs: RunObservation, *, window_s: float = DETECTION_WINDOW_S,
+                    skew_s: float = DETECTION_SKEW_S) -> Verdict:
+    """Every fault was answered the way its ``expect`` says (see :func:`match_fault`), and
+    failures were attributed to the fault's own domain.  Per-fault results are in
+    ``detail``; faults that cannot be judged from events are listed but do not fail it."""
+    name = "faults_detected"
+    if not obs.faults:
+        return Verdict(name, None, "no fault was injected")
+    matches = [match_fault(f, obs.events, window_s=window_s, skew_s=skew_s) for f in obs.faults]
+    judged = [m for m in matches if m.ok is not None]
+    detail = "; ".join(m.describe() for m in matches)
+    if not judged:
+        return Verdict(name, None, detail)
+    return Verdict(name, all(m.ok for m in judged), detail)
+
+
+# ------------------------------------------------------------------------------ the tree
+
+def restart_intensity_respected(obs: RunObservation, *,
+                                slack_s: float = INTENSITY_SLACK_S) -> Verdict:
+    """Each supervisor with known flags followed OTP's restart-intensity rule.
+
+    OTP: a supervisor records every restart; when one more restart would make more than
+    ``intensity`` of them fall within the last ``period`` seconds, it does not restart but
+    stops its children and escalates.  So, replaying the supervisor's RESTART and ESCALATION
+    events in time order, for each one at time t with k earlier RESTARTs in ``[t - period, t]``:
+
+    - a RESTART needs ``k + 1 <= intensity`` (otherwise: too many restarts, no escalation);
+    - an ESCALATION needs ``k + 1 > intensity`` (otherwise: it gave up too early).
+
+    The count restarts at zero after an escalation and whenever the supervisor itself starts
+    again (its parent restarted it: a new incarnation has an empty restart history).  Event
+    times are stamped a moment after the supervisor's decision, so a restart within
+    ``slack_s`` of the window's edge is counted whichever way makes it legal.
+    """
+    name = "restart_intensity_respected"
+    if not obs.intensity:
+        return Verdict(name, None, "no supervisor's restart intensity is known")
+    problems: list[str] = []
+    restarts = escalations = 0
+    events = obs.sorted_events()
+    for sup, (intensity, period) in sorted(obs.intensity.items()):
+        history: list[float] = []
+        for e in events:
+            if e.path == sup and e.context is EventKind.START:
+                history.clear()
+                continue
+            if e.supervisor != sup or e.context not in (EventKind.RESTART,
+                                                        EventKind.ESCALATION):
+                continue
+            surely = sum(1 for t in history if t >= e.time - max(0.0, period - slack_s))
+            maybe = sum(1 for t in history if t >= e.time - (period + slack_s))
+            if e.context is EventKind.RESTART:
+                restarts += 1
+                if surely + 1 > intensity:
+                    problems.append(f"{sup} restarted {e.child} as restart {surely + 1} within "
+                                    f"{period:g} s (intensity {intensity}) instead of "
+                                    "escalating")
+                history.append(e.time)
+            else:
+                escalations += 1
+                if maybe + 1 <= intensity:
+                    problems.append(f"{sup} escalated after {maybe} restart(s) within "
+                                    f"{period:g} s, but intensity {intensity} allows "
+                                    f"{intensity}")
+                history.clear()
+    if problems:
+        return Verdict(name, False, "; ".join(problems))
+    return Verdict(name, True, f"{restarts} restarts and {escalations} escalations across "
+                               f"{len(obs.intensity)} supervisors within their intensity")
+
+
+def no_orphans(obs: RunObservation) -> Verdict:
+    """No process the run started outlived it: the supervisors own their process groups."""
+    name = "no_orphans"
+    if obs.orphans:
+        return Verdict(name, False, f"{len(obs.orphans)} processes left behind: " + _few(
+            f"pid {o.get('pid')} ({str(o.get('cmdline', ''))[:80]})" for o in obs.orphans))
+    return Verdict(name, True, "no process outlived the run")
+
+
+# ------------------------------------------------------------------------------ outcome
+
+def reward_within_tolerance(obs: RunObservation, fault_free: RunObservation | None = None,
+                            tolerance: float = DEFAULT_REWARD_TOLERANCE) -> Verdict:
+    """The final reward (:func:`final_reward`) is within ``tolerance`` (absolute) of the
+    fault-free run's: recovering from faults did not cost learning."""
+    name = "reward_within_tolerance"
+    if fault_free is None:
+        return Verdict(name, None, "no fault-free run to compare with")
+    ours, theirs = final_reward(obs.metrics), final_reward(fault_free.metrics)
+    if ours is None or theirs is None:
+        which = "this run" if ours is None else "the fault-free run"
+        return Verdict(name, None, f"{which} has no rl step")
+    diff = abs(ours - theirs)
+    return Verdict(name, diff <= tolerance, f"final reward {ours:.3f} vs fault-free "
+                                            f"{theirs:.3f}: |diff| {diff:.3f} "
+                                            f"{'<=' if diff <= tolerance else '>'} {tolerance:g}")
+
+
+def expected_end(obs: RunObservation, expect_end: str = "finished",
+                 offender_pattern: str | None = None) -> Verdict:
+    """The run ended the way the scenario says.
+
+    ``finished``: status ``finished``.  ``escalation``: the failure climbed to the root, so
+    status ``failed`` with an offender, which must match ``offender_pattern`` (a glob over
+    tree paths) when one is given.
+    """
+    name = "expected_end"
+    if expect_end not in END_EXPECTATIONS:
+        raise ValueError(f"expect_end: expected one of {', '.join(END_EXPECTATIONS)}, "
+                         f"got {expect_end!r}")
+    got = f"status {obs.status}" + (f", offender {obs.offender}" if obs.offender else "")
+    if expect_end == "finished":
+        return Verdict(name, obs.status == "finished", f"expected finished; {got}")
+    want = "expected escalation" + (f" by {offender_pattern}" if offender_pattern else "")
+    ok = obs.status == "failed" and obs.offender is not None and (
+        offender_pattern is None or fnmatch.fnmatchcase(obs.offender, offender_pattern))
+    return Verdict(name, ok, f"{want}; {got}")
+
+
+# ------------------------------------------------------------------------------- all
+
+INVARIANTS = ("no_rollout_lost", "no_duplicate_consumption", "staleness_within_bound",
+              "replay_identical", "faults_detected", "restart_intensity_respected",
+              "no_orphans", "reward_within_tolerance", "expected_end")
+
+
+def check_all(obs: RunObservation, *, fault_free: RunObservation | None = None,
+              tolerance: float = DEFAULT_REWARD_TOLERANCE, expect_end: str = "finished",
+              offender_pattern: str | None = None, selected: list[str] | None = None,
+              window_s: float = DETECTION_WINDOW_S) -> list[Verdict]:
+    """Every invariant (or those named in ``selected``), in :data:`INVARIANTS` order.
+
+    Raises ValueError for a name in ``selected`` that is no invariant, so a typo in a
+    scenario does not silently check nothing.
+    """
+    checks: dict[str, Callable[[], Verdict]] = {
+        "no_rollout_lost": lambda: no_rollout_lost(obs),
+        "no_duplicate_consumption": lambda: no_duplicate_consumption(obs),
+        "staleness_within_bound": lambda: staleness_within_bound(obs),
+        "replay_identical": lambda: replay_identical(obs, fault_free),
+        "faults_detected": lambda: faults_detected(obs, window_s=window_s),
+        "restart_intensity_respected": lambda: restart_intensity_respected(obs),
+        "no_orphans": lambda: no_orphans(obs),
+        "reward_within_tolerance": lambda: reward_within_tolerance(obs, fault_free, tolerance),
+        "expected_end": lambda: expected_end(obs, expect_end, offender_pattern),
+    }
+    if selected is not None:
+        unknown = [n for n in selected if n not in checks]
+        if unknown:
+            raise ValueError(f"unknown invariant(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(INVARIANTS)}")
+    names = [n for n in INVARIANTS if selected is None or n in selected]
+    return [checks[n]() for n in names]

@@ -1,0 +1,405 @@
+"""Running a chaos scenario: the job, its baselines, the faults on schedule, the verdicts.
+
+``run_scenario(scenario)``:
+
+1. runs the baselines the scenario asks for (or its invariants need): a fault-free run and a
+   whole-job-restart run (``supervision.mode=job_restart``: the same faults, recovered the
+   way most RL stacks do), all with the same seeds;
+2. runs the job with the faults injected on the scenario's schedule, counted from the first
+   RL step, and stops it at the scenario's duration bound if it has not ended by then;
+3. checks every invariant from the journal, the events and the metrics (never from logs),
+   looks for processes the job left behind, and writes ``chaos-report.json`` and
+   ``chaos-report.md`` into the chaos run's directory.
+
+A driver kill cannot be injected into this process; that scenario runs the job as an
+``erlay run`` subprocess, SIGKILLs it and resumes it with ``--resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from actors.config import JobConfig, load_config
+from actors.job import Job, JobResult
+from actors.journal import Journal
+from actors.rundir import RunDir
+from actors.transitions import MemoryTransitions, TransitionKind
+from chaos.faults import FaultRecord, domain_of
+from chaos.injectors import FAILPOINT_HOMES, Injector
+from chaos.invariants import RunObservation, Verdict, check_all
+from chaos.report import build_report, goodput, write_report
+from chaos.scenario import ATTACKS, FaultSpec, Scenario, schedule
+from supervisor import failpoints
+from supervisor.events import read_events
+from supervisor.raylocal import shutdown_ray
+
+log = logging.getLogger("erlay.chaos")
+ROOT = Path(__file__).resolve().parents[1]
+ORPHAN_GRACE_S = 15.0
+
+
+@dataclass
+class RunOutcome:
+    """One run of the scenario's job (chaos or baseline) and what it left behind."""
+
+    name: str
+    run_dir: RunDir
+    status: str                       # finished | failed | timeout
+    reason: str
+    wall_s: float
+    observation: RunObservation
+    faults: list[FaultRecord] = field(default_factory=list)
+    attack_results: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class ChaosResult:
+    scenario: str
+    run: RunOutcome
+    verdicts: list[Verdict]
+    report: dict[str, Any]
+    report_paths: tuple[Path, Path]
+    baselines: dict[str, RunOutcome]
+
+    @property
+    def ok(self) -> bool:
+        return all(v.ok is not False for v in self.verdicts)
+
+
+def job_config(scenario: Scenario, config: Path | None, parent: Path,
+               extra: list[str] | None = None) -> JobConfig:
+    return load_config(config or scenario.config_path,
+                       [*scenario.overrides, f"run.run_dir={parent}", *(extra or [])])
+
+
+def run_scenario(scenario: Scenario, *, config: Path | None = None,
+                 parent: Path | None = None, say: Any = print,
+                 with_baselines: bool = True) -> ChaosResult:
+    """Run ``scenario`` with its baselines; returns the verdicts and the report.
+
+    ``with_baselines=False`` (the CI smoke subset) runs only the job with faults: the
+    invariants that compare with a fault-free run are then skipped, and say so."""
+    parent = Path(parent or ROOT / "runs" / "chaos")
+    needs_clean = bool({"replay_identical", "reward_within_tolerance"} &
+                       set(scenario.invariants)) or "fault_free" in scenario.baselines
+    baselines: dict[str, RunOutcome] = {}
+    if needs_clean and with_baselines:
+        say(f"chaos {scenario.name}: fault-free baseline")
+        baselines["fault_free"] = run_once(scenario, config, parent, "fault-free",
+                                           inject=False)
+    if "job_restart" in scenario.baselines and with_baselines:
+        say(f"chaos {scenario.name}: whole-job-restart baseline (same faults)")
+        baselines["job_restart"] = run_once(scenario, config, parent, "job-restart",
+                                            inject=True, mode="job_restart")
+    say(f"chaos {scenario.name}: run with faults")
+    run = run_once(scenario, config, parent, "chaos", inject=True)
+    clean = baselines.get("fault_free")
+    verdicts = check_all(run.observation, fault_free=clean.observation if clean else None,
+                         tolerance=scenario.reward_tolerance, expect_end=scenario.expect,
+                         offender_pattern=scenario.offender, selected=list(scenario.invariants))
+    summary = {name: {"goodput": goodput(b.observation.metrics, b.wall_s), "wall_s": b.wall_s,
+                      "status": b.status} for name, b in baselines.items()}
+    report = build_report(scenario.name, run.observation, verdicts, baselines=summary)
+    report["attack_results"] = run.attack_results
+    paths = write_report(run.run_dir.path, report)
+    return ChaosResult(scenario.name, run, verdicts, report, paths, baselines)
+
+
+# ------------------------------------------------------------------------ one run
+def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *,
+             inject: bool, mode: str = "local") -> RunOutcome:
+    if inject and any(f.inject == "driver_kill" for f in scenario.faults):
+        return _run_with_driver_kill(scenario, config, parent, name)
+    extra = ["supervision.mode=job_restart"] if mode == "job_restart" else []
+    cluster = _start_cluster(scenario) if scenario.multinode else None
+    if cluster is not None:
+        extra.append(f"ray.address={cluster.address}")
+    cfg = job_config(scenario, config, parent, extra)
+    env_faults = {f.target: f.params["spec"] for f in scenario.faults
+                  if inject and f.inject == "failpoint" and f.params.get("scope") == "env"}
+    before = _process_snapshot()
+    if env_faults:
+        # Armed in every process of the job from its first instruction (a crash loop): a
+        # job-level runtime env reaches every Ray worker; the driver stays unarmed.
+        from supervisor.raylocal import ensure_ray
+        ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+                   runtime_env={"env_vars": {
+                       failpoints.ENV_VAR: failpoints.env_value(env_faults)}})
+    memory = MemoryTransitions()
+    job = Job(cfg, RunDir.create(parent, f"{scenario.name}-{name}"), transitions=memory)
+    results: list[JobResult | BaseException] = []
+
+    def target() -> None:
+        try:
+            results.append(job.run(progress=False))
+        except BaseException as exc:  # noqa: BLE001 - reported as the run's status
+            results.append(exc)
+
+    started = time.time()
+    thread = threading.Thread(target=target, name=f"chaos-{name}", daemon=True)
+    thread.start()
+    injector = Injector(job)
+    for spec in scenario.faults:
+        if inject and spec.params.get("scope") == "env":
+            home = spec.params.get("in") or FAILPOINT_HOMES.get(spec.target, "driver")
+            injector._record("failpoint", home, _expect(spec),
+                             f"{spec.target} {json.dumps(spec.params['spec'])}, from start")
+    status = "finished"
+    try:
+        deadline = _wait_for_rl(job, thread, scenario.duration_s)
+        if inject:
+            _inject_on_schedule(scenario, injector, job, thread, deadline, cluster)
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            status = "timeout"
+            log.error("chaos: %s did not end within %.0f s; stopping it", name,
+                      scenario.duration_s)
+            if job.tree is not None:
+                job.tree.stop()
+            thread.join(120)
+    finally:
+        injector.close()
+        shutdown_ray()
+        if cluster is not None:
+            cluster.shutdown()
+    wall_s = time.time() - started
+    result = results[0] if results else None
+    reason = ""
+    if isinstance(result, JobResult):
+        status = status if status == "timeout" else result.status
+        reason = result.reason
+    elif result is not None:
+        status, reason = "failed", repr(result)
+    orphans = _orphans(before)
+    observation = _observe(cfg, job.run_dir, memory, injector.records, wall_s, status,
+                           result.offender if isinstance(result, JobResult) else None, orphans,
+                           started_at=job._t0)
+    return RunOutcome(name, job.run_dir, status, reason, wall_s, observation,
+                      list(injector.records), list(injector.attack_results))
+
+
+def _expect(spec: FaultSpec) -> str:
+    return spec.expect or "restart"
+
+
+def _wait_for_rl(job: Job, thread: threading.Thread, duration_s: float) -> float:
+    """Block until the first RL step is reported (faults are timed from there); returns the
+    monotonic deadline of the run.  The warm start is not part of the scenario's time."""
+    give_up = time.monotonic() + max(600.0, duration_s)
+    while thread.is_alive() and time.monotonic() < give_up:
+        if job.run_dir.rl_steps():
+            break
+        time.sleep(0.1)
+    return time.monotonic() + duration_s
+
+
+def _inject_on_schedule(scenario: Scenario, injector: Injector, job: Job,
+                        thread: threading.Thread, deadline: float,
+                        cluster: Any = None) -> None:
+    t0 = time.monotonic()
+    for offset, index in schedule(list(scenario.faults), scenario.duration_s):
+        while thread.is_alive() and time.monotonic() < min(t0 + offset, deadline):
+            time.sleep(0.02)
+        if not thread.is_alive() or time.monotonic() >= deadline:
+            return
+        spec = scenario.faults[index]
+        if spec.params.get("scope") == "env":
+            continue  # armed at process start
+        try:
+            if spec.inject == "node_loss":
+                injector.node_loss(cluster)
+                continue
+            inject_one(injector, spec)
+        except Exception as exc:  # noqa: BLE001 - a target between incarnations: skip it
+            log.warning("chaos: could not inject %s into %s: %s", spec.inject, spec.target,
+                        exc)
+
+
+def inject_one(injector: Injector, spec: FaultSpec) -> FaultRecord:
+    """Apply one fault of the scenario to the running job."""
+    params, expect = spec.params, _expect(spec)
+    match spec.inject:
+        case "sigkill" | "sigterm" | "sigstop":
+            return injector.signal(spec.inject, spec.target, stop_s=params.get("stop_s"),
+                                   expect=expect, during=params.get("during"))
+        case "ray_kill":
+            return injector.ray_kill(spec.target, expect=expect)
+        case "failpoint":
+            return injector.failpoint(spec.target, dict(params["spec"]), params.get("in"),
+                                      expect=expect)
+        case "sandbox_attack":
+            return injector.sandbox_attack(params["attack"], ATTACKS[params["attack"]])
+        case "judge_fault":
+            mode = params["mode"]
+            where = spec.target if spec.target.startswith("erlay/") else "erlay/judge/host@*"
+            if mode == "garbage":
+                return injector.failpoint("judge.verdict", {
+                    "action": "corrupt", "count": int(params.get("count") or 3)},
+                    where, expect="absorbed")
+            return injector.failpoint("judge.score", {"action": mode, "count": int(
+                params.get("count") or 1)}, where, expect=expect)
+        case "slow_checkpoint":
+            return injector.failpoint("learner.checkpoint", {
+                "action": "delay", "delay_s": float(params["delay_s"]),
+                "count": int(params.get("count") or 1)}, "erlay/learner/learner-0",
+                expect="absorbed")
+        case _:
+            raise ValueError(f"inject {spec.inject!r} is not supported in-process")
+
+
+# Lost nodes are noticed in about 1.5 s instead of Ray's default of about 15 s.
+FAST_HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+               "health_check_timeout_ms": 500, "health_check_initial_delay_ms": 0}
+
+
+def _start_cluster(scenario: Scenario) -> Any:
+    """A local multi-node Ray (``ray.cluster_utils.Cluster``), all on loopback: the head
+    plus ``multinode.nodes - 1`` worker nodes, with fast node-health checks."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import supervisor.raylocal  # noqa: F401 - sets the loopback-only variable before Ray
+    if ray.is_initialized():
+        shutdown_ray()
+    spec = scenario.multinode
+    nodes = int(spec["nodes"] if isinstance(spec, dict) else spec.nodes)  # type: ignore[union-attr]
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "_system_config": FAST_HEALTH, "include_dashboard": False,
+        "node_ip_address": "127.0.0.1"})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    return cluster
+
+
+# --------------------------------------------------------------- driver kill
+def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
+                          name: str) -> RunOutcome:
+    """``erlay run`` in a subprocess; SIGKILL it at the fault's time after the first RL
+    step; then ``erlay run --resume`` to the end.  Faults other than the kill are ignored."""
+    cfg = job_config(scenario, config, parent / f"{scenario.name}-{name}")
+    fault = next(f for f in scenario.faults if f.inject == "driver_kill")
+    delay = fault.at if fault.at is not None else 5.0
+    args = [sys.executable, "-m", "actors.cli", "run", str(config or scenario.config_path),
+            *scenario.overrides, f"run.run_dir={parent / f'{scenario.name}-{name}'}",
+            "--no-progress"]
+    before = _process_snapshot()
+    started = time.time()
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    run_path = _wait_for_rundir(parent / f"{scenario.name}-{name}", proc, scenario.duration_s)
+    time.sleep(delay)
+    records = [FaultRecord(id=0, kind="driver_kill", target="driver", domain="driver",
+                           at=time.time(), expect="absorbed", detail=f"pid {proc.pid}")]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(2.0)  # Ray's processes share the driver's fate; let them go
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    resumed = subprocess.run([sys.executable, "-m", "actors.cli", "run", "--resume",
+                              str(run_path), "--no-progress"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=scenario.duration_s + 300)
+    wall_s = time.time() - started
+    status = "finished" if resumed.returncode == 0 else "failed"
+    run_dir = RunDir(run_path)
+    memory = MemoryTransitions()
+    with Journal.open(run_path / "journal", read_only=True) as journal:
+        for rid, step in journal.state.consumed.items():
+            memory.record(_consumed(rid, step))
+        dispatched = set(journal.state.consumed) | set(journal.state.rollouts)
+    observation = _observe(cfg, run_dir, memory, records, wall_s, status, None,
+                           _orphans(before), dispatched=dispatched)
+    return RunOutcome(name, run_dir, status, resumed.stderr[-2000:], wall_s, observation,
+                      records)
+
+
+def _wait_for_rundir(parent: Path, proc: subprocess.Popen[bytes], bound: float) -> Path:
+    deadline = time.monotonic() + max(600.0, bound)
+    while time.monotonic() < deadline and proc.poll() is None:
+        for run in parent.glob("*"):
+            if RunDir(run).rl_steps():
+                return run
+        time.sleep(0.1)
+    raise RuntimeError(f"the job under {parent} never reached its first RL step")
+
+
+def _consumed(rid: str, step: int) -> Any:
+    from actors.transitions import Transition
+    return Transition(TransitionKind.CONSUMED, rid, {"step": step})
+
+
+# ------------------------------------------------------------------- observing
+def _observe(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions,
+             faults: list[FaultRecord], wall_s: float, status: str, offender: str | None,
+             orphans: list[dict[str, Any]], dispatched: set[str] | None = None,
+             started_at: float | None = None) -> RunObservation:
+    events = read_events(run_dir.events) if run_dir.events.exists() else []
+    metrics = run_dir.read_metrics()
+    sup = cfg.supervision
+    intensity = {"erlay": (sup.root.intensity, sup.root.period)}
+    for domain in ("learner", "generation", "sandbox", "judge", "rollout"):
+        flags = getattr(sup, domain)
+        intensity[f"erlay/{domain}"] = (flags.intensity, flags.period)
+    consumed = [(t.rollout_id, int(t.data["step"]))
+                for t in memory.of(TransitionKind.CONSUMED)]
+    if dispatched is None:
+        dispatched = {t.rollout_id for t in memory.of(TransitionKind.DISPATCHED)}
+    steps = {m["step"] for m in metrics if m.get("phase") == "rl"}
+    return RunObservation(events=events, metrics=metrics, consumed_transitions=consumed,
+                          dispatched_ids=dispatched, steps_trained=len(steps), faults=faults,
+                          wall_s=wall_s, max_staleness=cfg.rollout.max_staleness,
+                          intensity=intensity, orphans=orphans, status=status,
+                          offender=offender, started_at=started_at)
+
+
+def _process_snapshot() -> set[int]:
+    return set(psutil.pids())
+
+
+def _orphans(before: set[int]) -> list[dict[str, Any]]:
+    """Processes that appeared during the run and outlived it (after a grace period): the
+    job's own, since everything else on the machine existed before or belongs to us."""
+    me = psutil.Process()
+    ours = {p.pid for p in me.children(recursive=True)} | {me.pid}
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while True:
+        left = []
+        for pid in set(psutil.pids()) - before - ours:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                left.append({"pid": pid, "cmdline": " ".join(proc.cmdline())[:200],
+                             "uid": proc.uids().real})
+            except psutil.Error:
+                continue
+        left = [p for p in left if _is_jobs(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _is_jobs(proc: dict[str, Any]) -> bool:
+    """A process this job could have started: Ray's, a Python worker of this install, or a
+    sandbox run (its own uid)."""
+    cmd = proc["cmdline"]
+    return ("ray" in cmd or sys.executable in cmd or "python" in cmd
+            or proc.get("uid", 0) >= 60000)
+
+
+def domains_of(records: list[FaultRecord]) -> set[str]:
+    return {domain_of(r.target) for r in records}

@@ -1,0 +1,378 @@
+"""The chaos invariants on hand-built runs: each one holding, and each one broken.  No Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from chaos.faults import FaultRecord, InvalidFaultRecord, domain_of
+from chaos.invariants import (
+    INVARIANTS,
+    RunObservation,
+    check_all,
+    expected_end,
+    faults_detected,
+    final_reward,
+    match_fault,
+    no_duplicate_consumption,
+    no_orphans,
+    no_rollout_lost,
+    replay_identical,
+    restart_intensity_respected,
+    reward_within_tolerance,
+    rollout_step,
+    staleness_within_bound,
+)
+from supervisor.events import EventKind, SupervisorEvent
+
+T0 = 1_000.0  # unix time of the first fault in these scenarios
+
+
+def ev(supervisor: str, child: str | None, kind: EventKind, t: float,
+       reason: str = "error: actor process died") -> SupervisorEvent:
+    return SupervisorEvent(supervisor, child, kind, reason, 0, t)
+
+
+def rl(step: int, **fields: object) -> dict[str, object]:
+    return {"phase": "rl", "step": step, "samples": 8, "reward_mean": 0.5,
+            "staleness_max": 0, "tokens_digest": f"d{step}", **fields}
+
+
+def fault(target: str = "erlay/generation/engine-1", *, kind: str = "sigkill",
+          domain: str | None = None, at: float = T0, expect: str = "restart",
+          fid: int = 0) -> FaultRecord:
+    return FaultRecord(id=fid, kind=kind, target=target,
+                       domain=domain or domain_of(target), at=at, expect=expect)
+
+
+def rids(step: int, n: int = 2) -> list[str]:
+    return [f"r{step:05d}-g000-{k}" for k in range(n)]
+
+
+# ------------------------------------------------------------------------- FaultRecord
+
+def test_fault_record_round_trips_through_dict() -> None:
+    record = FaultRecord(3, "sigstop", "erlay/learner/learner-0", "learner", T0, "restart",
+                         "pid 42")
+    assert FaultRecord.from_dict(record.to_dict()) == record
+
+
+@pytest.mark.parametrize(("field", "value"), [("kind", "meteor"), ("domain", "gpu"),
+                                              ("expect", "maybe"), ("id", -1),
+                                              ("at", "yesterday"), ("target", "")])
+def test_fault_record_rejects_bad_field_by_name(field: str, value: object) -> None:
+    data = fault().to_dict() | {field: value}
+    with pytest.raises(InvalidFaultRecord) as err:
+        FaultRecord.from_dict(data)
+    assert err.value.field == field
+    assert isinstance(err.value, ValueError)
+
+
+def test_fault_record_from_dict_rejects_missing_and_unknown_keys() -> None:
+    data = fault().to_dict()
+    with pytest.raises(InvalidFaultRecord, match="expect"):
+        FaultRecord.from_dict({k: v for k, v in data.items() if k != "expect"})
+    with pytest.raises(InvalidFaultRecord, match="tagret"):
+        FaultRecord.from_dict(data | {"tagret": "x"})
+
+
+def test_domain_of_reads_second_segment() -> None:
+    assert domain_of("erlay/generation/engine-1") == "generation"
+    assert domain_of("erlay") == "root"
+    assert domain_of("driver") == "driver"
+
+
+# ------------------------------------------------------------------------ exactly once
+
+def test_rollout_step_parses_id() -> None:
+    assert rollout_step("r00042-g003-1") == 42
+    assert rollout_step("chaos-1") is None
+
+
+def test_every_dispatched_rollout_consumed_passes() -> None:
+    obs = RunObservation(dispatched_ids={*rids(0), *rids(1), *rids(2)}, steps_trained=2,
+                         consumed_transitions=[(r, 0) for r in rids(0)]
+                         + [(r, 1) for r in rids(1)])
+    verdict = no_rollout_lost(obs)
+    assert verdict.ok is True, verdict.detail  # step 2 was generated ahead, never due
+
+
+def test_lost_rollout_fails_and_is_named() -> None:
+    obs = RunObservation(dispatched_ids={*rids(0), *rids(1)}, steps_trained=2,
+                         consumed_transitions=[(r, 0) for r in rids(0)]
+                         + [("r00001-g000-0", 1)])
+    verdict = no_rollout_lost(obs)
+    assert verdict.ok is False
+    assert "r00001-g000-1" in verdict.detail
+
+
+def test_no_dispatch_record_skips_rollout_loss() -> None:
+    verdict = no_rollout_lost(RunObservation(steps_trained=3))
+    assert verdict.ok is None and "journal" in verdict.detail
+
+
+def test_refeed_of_same_step_is_not_a_duplicate() -> None:
+    consumed = [(r, 0) for r in rids(0)] * 2 + [(r, 1) for r in rids(1)]
+    verdict = no_duplicate_consumption(RunObservation(consumed_transitions=consumed))
+    assert verdict.ok is True, verdict.detail
+    assert "2 re-feeds" in verdict.detail
+
+
+def test_rollout_consumed_by_two_steps_fails() -> None:
+    consumed = [("r00001-g000-0", 1), ("r00001-g000-0", 2)]
+    verdict = no_duplicate_consumption(RunObservation(consumed_transitions=consumed))
+    assert verdict.ok is False
+    assert "r00001-g000-0 by steps 1/2" in verdict.detail
+
+
+def test_rollout_consumed_by_other_step_than_its_id_fails() -> None:
+    verdict = no_duplicate_consumption(RunObservation(
+        consumed_transitions=[("r00003-g000-0", 4)]))
+    assert verdict.ok is False
+    assert "r00003-g000-0 by step 4" in verdict.detail
+
+
+# ------------------------------------------------------------------ staleness, replay
+
+def test_staleness_within_bound_passes() -> None:
+    obs = RunObservation(metrics=[rl(0), rl(1, staleness_max=1)], max_staleness=1)
+    assert staleness_within_bound(obs).ok is True
+
+
+def test_stale_step_fails() -> None:
+    obs = RunObservation(metrics=[rl(0), rl(1, staleness_max=2, dropped=3)], max_staleness=1)
+    verdict = staleness_within_bound(obs)
+    assert verdict.ok is False
+    assert "step 1 (2, 3 dropped)" in verdict.detail
+
+
+def test_staleness_without_reports_skips() -> None:
+    obs = RunObservation(metrics=[{"phase": "rl", "step": 0}])
+    assert staleness_within_bound(obs).ok is None
+
+
+def test_replay_identical_passes_including_refed_steps() -> None:
+    clean = RunObservation(metrics=[rl(0), rl(1), rl(2)], max_staleness=0)
+    obs = RunObservation(metrics=[rl(0), rl(1), {"phase": "rewind"}, rl(1), rl(2)],
+                         max_staleness=0)
+    verdict = replay_identical(obs, clean)
+    assert verdict.ok is True, verdict.detail
+    assert "4 step records" in verdict.detail
+
+
+def test_digest_mismatch_fails_naming_step() -> None:
+    clean = RunObservation(metrics=[rl(0), rl(1)], max_staleness=0)
+    obs = RunObservation(metrics=[rl(0), rl(1, tokens_digest="other")], max_staleness=0)
+    verdict = replay_identical(obs, clean)
+    assert verdict.ok is False
+    assert "steps 1" in verdict.detail
+
+
+def test_replay_skipped_without_fault_free_run_or_with_staleness() -> None:
+    assert replay_identical(RunObservation(max_staleness=0)).ok is None
+    clean = RunObservation(metrics=[rl(0)], max_staleness=1)
+    obs = RunObservation(metrics=[rl(0, tokens_digest="other")], max_staleness=1)
+    verdict = replay_identical(obs, clean)
+    assert verdict.ok is None
+    assert "policy version" in verdict.detail
+
+
+# --------------------------------------------------------------------------- detection
+
+def test_killed_engine_detected_by_its_exit() -> None:
+    obs = RunObservation(faults=[fault()], events=[
+        ev("erlay/generation", "engine-1", EventKind.EXIT, T0 + 0.2)])
+    verdict = faults_detected(obs)
+    assert verdict.ok is True, verdict.detail
+    assert "exit of erlay/generation/engine-1 after 200 ms" in verdict.detail
+
+
+def test_hang_detects_a_stopped_child() -> None:
+    obs = RunObservation(faults=[fault(kind="sigstop")], events=[
+        ev("erlay/generation", "engine-1", EventKind.HANG, T0 + 12, "hang: decode step")])
+    assert faults_detected(obs).ok is True
+
+
+def test_fault_with_no_exit_of_its_target_is_undetected() -> None:
+    # An exit of another engine and one of the target long after the window do not count.
+    obs = RunObservation(faults=[fault()], events=[
+        ev("erlay/generation", "engine-0", EventKind.EXIT, T0 + 1),
+        ev("erlay/generation", "engine-1", EventKind.EXIT, T0 + 31)])
+    verdict = faults_detected(obs)
+    assert verdict.ok is False
+    assert "undetected" in verdict.detail and "erlay/generation/engine-0" in verdict.detail
+
+
+def test_exit_before_the_fault_does_not_detect_it() -> None:
+    obs = RunObservation(faults=[fault()], events=[
+        ev("erlay/generation", "engine-1", EventKind.EXIT, T0 - 5)])
+    assert faults_detected(obs).ok is False
+
+
+def test_fault_attributed_to_wrong_domain_fails() -> None:
+    obs = RunObservation(faults=[fault("erlay/generation/engine-1", domain="learner")],
+                         events=[ev("erlay/generation", "engine-1", EventKind.EXIT, T0 + 0.1)])
+    verdict = faults_detected(obs)
+    assert verdict.ok is False
+    assert "attributed to generation, expected learner" in verdict.detail
+
+
+def test_glob_target_and_hosted_worker_match() -> None:
+    glob = fault("erlay/judge/host@*", kind="failpoint", fid=0)
+    assert glob.domain == "judge"
+    hosted = fault("erlay/sandbox/host@node-0", fid=1, at=T0 + 50)
+    obs = RunObservation(faults=[glob, hosted], events=[
+        ev("erlay/judge/host@node-0", "worker-1", EventKind.EXIT, T0 + 1),
+        ev("erlay/sandbox/host@node-0", "worker-3", EventKind.EXIT, T0 + 50.5)])
+    verdict = faults_detected(obs)
+    assert verdict.ok is True, verdict.detail
+
+
+def test_expected_escalation_needs_an_escalation_in_the_domain() -> None:
+    f = fault(expect="escalation")
+    escalated = RunObservation(faults=[f], events=[
+        ev("erlay/generation", "engine-1", EventKind.ESCALATION, T0 + 90,
+           "shutdown: reached_max_restart_intensity")])
+    assert faults_detected(escalated).ok is True
+    elsewhere = RunObservation(faults=[f], events=[
+        ev("erlay/learner", "learner-0", EventKind.ESCALATION, T0 + 1)])
+    assert faults_detected(elsewhere).ok is False
+
+
+def test_absorbed_fault_must_not_take_a_domain_down() -> None:
+    attack = fault("erlay/sandbox/host@node-0", kind="sandbox_attack", expect="absorbed")
+    worker_exit = ev("erlay/sandbox/host@node-0", "worker-0", EventKind.EXIT, T0 + 1)
+    assert faults_detected(RunObservation(faults=[attack], events=[worker_exit])).ok is True
+    domain_exit = ev("erlay", "sandbox", EventKind.EXIT, T0 + 2, "shutdown: reached_max")
+    verdict = faults_detected(RunObservation(faults=[attack], events=[worker_exit,
+                                                                      domain_exit]))
+    assert verdict.ok is False
+    assert "not_absorbed" in verdict.detail and "erlay/sandbox" in verdict.detail
+
+
+def test_driver_fault_is_unchecked_not_passed() -> None:
+    obs = RunObservation(faults=[fault("driver", kind="driver_kill", domain="driver")])
+    verdict = faults_detected(obs)
+    assert verdict.ok is None and "unchecked" in verdict.detail
+
+
+def test_match_fault_reports_latency_of_first_hit() -> None:
+    match = match_fault(fault(), [
+        ev("erlay/generation", "engine-1", EventKind.EXIT, T0 + 0.5),
+        ev("erlay/generation", "engine-1", EventKind.EXIT, T0 + 0.25)])
+    assert match.latency_s == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------------------- the tree
+
+GEN = {"erlay/generation": (1, 5.0)}
+
+
+def test_restarts_within_intensity_pass() -> None:
+    obs = RunObservation(intensity=GEN, events=[
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0),
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0 + 6)])  # outside the period
+    assert restart_intensity_respected(obs).ok is True
+
+
+def test_too_many_restarts_without_escalation_fail() -> None:
+    obs = RunObservation(intensity=GEN, events=[
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0),
+        ev("erlay/generation", "engine-0", EventKind.RESTART, T0 + 2)])
+    verdict = restart_intensity_respected(obs)
+    assert verdict.ok is False
+    assert "instead of escalating" in verdict.detail
+
+
+def test_escalation_when_intensity_exceeded_passes() -> None:
+    obs = RunObservation(intensity=GEN, events=[
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0),
+        ev("erlay/generation", "engine-1", EventKind.ESCALATION, T0 + 2)])
+    assert restart_intensity_respected(obs).ok is True
+
+
+def test_escalation_before_intensity_reached_fails() -> None:
+    obs = RunObservation(intensity={"erlay/generation": (2, 5.0)}, events=[
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0),
+        ev("erlay/generation", "engine-1", EventKind.ESCALATION, T0 + 1)])
+    verdict = restart_intensity_respected(obs)
+    assert verdict.ok is False and "escalated after 1" in verdict.detail
+
+
+def test_supervisor_restarted_by_parent_starts_a_fresh_count() -> None:
+    # The root (one_for_all) restarts every domain after the learner escalated: the new
+    # generation supervisor owes nothing to its predecessor's restart.
+    obs = RunObservation(intensity=GEN, events=[
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0),
+        ev("erlay/learner", "learner-0", EventKind.ESCALATION, T0 + 0.5),
+        ev("erlay", "generation", EventKind.START, T0 + 1, "started"),
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0 + 2)])
+    assert restart_intensity_respected(obs).ok is True
+
+
+def test_escalation_starts_a_fresh_count() -> None:
+    obs = RunObservation(intensity=GEN, events=[
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0),
+        ev("erlay/generation", "engine-1", EventKind.ESCALATION, T0 + 1),
+        ev("erlay/generation", "engine-1", EventKind.RESTART, T0 + 3)])
+    assert restart_intensity_respected(obs).ok is True
+
+
+def test_intensity_zero_demands_escalation_at_first_failure() -> None:
+    obs = RunObservation(intensity={"erlay/learner": (0, 5.0)}, events=[
+        ev("erlay/learner", "learner-0", EventKind.RESTART, T0)])
+    assert restart_intensity_respected(obs).ok is False
+
+
+def test_unknown_intensity_skips() -> None:
+    assert restart_intensity_respected(RunObservation()).ok is None
+
+
+def test_orphans() -> None:
+    assert no_orphans(RunObservation()).ok is True
+    verdict = no_orphans(RunObservation(orphans=[{"pid": 4242, "cmdline": "python engine"}]))
+    assert verdict.ok is False and "4242" in verdict.detail
+
+
+# ----------------------------------------------------------------------------- outcome
+
+def test_final_reward_is_mean_of_last_tenth_of_distinct_steps() -> None:
+    metrics = [rl(s, reward_mean=s / 20) for s in range(20)] + [rl(19, reward_mean=0.0)]
+    # last 2 distinct steps: 18 -> 0.9, 19 -> 0.0 (its last record)
+    assert final_reward(metrics) == pytest.approx(0.45)
+    assert final_reward([]) is None
+
+
+def test_reward_within_tolerance_passes_and_fails() -> None:
+    clean = RunObservation(metrics=[rl(0, reward_mean=0.8)])
+    near = RunObservation(metrics=[rl(0, reward_mean=0.75)])
+    far = RunObservation(metrics=[rl(0, reward_mean=0.5)])
+    assert reward_within_tolerance(near, clean, 0.1).ok is True
+    verdict = reward_within_tolerance(far, clean, 0.1)
+    assert verdict.ok is False and "0.300 > 0.1" in verdict.detail
+    assert reward_within_tolerance(far).ok is None
+
+
+def test_expected_end() -> None:
+    assert expected_end(RunObservation()).ok is True
+    assert expected_end(RunObservation(status="timeout")).ok is False
+    failed = RunObservation(status="failed", offender="erlay/generation/engine-1")
+    assert expected_end(failed, "escalation", "erlay/generation/*").ok is True
+    assert expected_end(failed, "escalation", "erlay/learner/*").ok is False
+    assert expected_end(RunObservation(), "escalation").ok is False
+    with pytest.raises(ValueError, match="expect_end"):
+        expected_end(failed, "explode")
+
+
+def test_check_all_runs_every_invariant_in_order() -> None:
+    obs = RunObservation(dispatched_ids=set(rids(0)), steps_trained=1, metrics=[rl(0)],
+                         consumed_transitions=[(r, 0) for r in rids(0)])
+    verdicts = check_all(obs)
+    assert [v.name for v in verdicts] == list(INVARIANTS)
+    assert all(v.ok is not False for v in verdicts), [v for v in verdicts if not v.ok]
+
+
+def test_check_all_selects_and_rejects_unknown_names() -> None:
+    verdicts = check_all(RunObservation(orphans=[{"pid": 1}]), selected=["no_orphans"])
+    assert [(v.name, v.status) for v in verdicts] == [("no_orphans", "FAIL")]
+    with pytest.raises(ValueError, match="no_orphan"):
+        check_all(RunObservation(), selected=["no_orphan"])
