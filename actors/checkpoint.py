@@ -241,7 +241,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
-             extra: dict[str, Any], parent: int) -> None:
+             extra: dict[str, Any], parent: int, write_delay_s: float = 0.0) -> None:
     """Runs in the library's persistent worker: write the checkpoint into ``tmp_dir``.
 
     Never raises.  An exception escaping here would kill the worker loop before it reports
@@ -251,6 +251,8 @@ def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
     """
     _exit_with_parent(parent)
     tmp = Path(tmp_dir)
+    if write_delay_s > 0:  # slow storage, as the chaos suite injects it
+        time.sleep(write_delay_s)
     try:
         write_checkpoint_dir(tmp, step, _unstage(skeleton, buffer), extra)
     except Exception:  # noqa: BLE001 - reported through the FAILED file, see above
@@ -320,7 +322,7 @@ class AsyncCheckpointer:
         return self._inflight.step if self._inflight is not None else None
 
     def save(self, step: int, state: dict[str, Any],
-             extra: dict[str, Any] | None = None) -> float:
+             extra: dict[str, Any] | None = None, *, write_delay_s: float = 0.0) -> float:
         """Start saving ``state`` as the checkpoint of ``step``; returns the seconds the
         caller was blocked (waiting for a save in flight, staging, enqueueing).
 
@@ -348,7 +350,7 @@ class AsyncCheckpointer:
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
         request = AsyncRequest(async_fn=_persist,
                                async_fn_args=(str(tmp), skeleton, self._staging.buffer, step,
-                                              extra, os.getpid()),
+                                              extra, os.getpid(), write_delay_s),
                                finalize_fns=[partial(self._commit, step, tmp)])
         if self._calls is None:
             self._calls = AsyncCallsQueue(persistent=True)

@@ -4,6 +4,7 @@ Subcommands:
   erlay run CONFIG [key.sub=value ...]   run an RL job (local Ray, or --address / RAY_ADDRESS)
   erlay run --resume RUN_DIR [...]        continue a killed run from its checkpoint and journal
   erlay journal inspect RUN_DIR           rollouts by state; --rollout ID for one's history
+  erlay chaos list | run SCENARIO         fault-injection scenarios and their invariants
   erlay demo                              a local supervision tree surviving kills
 
 Every invocation first checks that erlay's packages are erlay's own (see
@@ -45,6 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--rollout", help="show this rollout's full history")
     inspect.add_argument("--state", choices=["in_flight", "completed", "consumed"],
                          help="list the rollouts in this state")
+    chaos = sub.add_parser("chaos", help="prove the job survives faults: run chaos scenarios")
+    chaos_sub = chaos.add_subparsers(dest="chaos_command", required=True)
+    chaos_sub.add_parser("list", help="the scenarios in configs/chaos/")
+    chaos_run = chaos_sub.add_parser("run", help="run a scenario, check its invariants and "
+                                     "write chaos-report.json/.md")
+    chaos_run.add_argument("scenario", help="a scenario name (configs/chaos/NAME.yaml) or a "
+                           "path")
+    chaos_run.add_argument("--config", help="run this job config instead of the scenario's "
+                           "(the scenario's overrides still apply)")
+    chaos_run.add_argument("--out", help="parent directory of the runs (default runs/chaos)")
     demo = sub.add_parser("demo", help="run a local supervision tree that survives kills")
     demo.add_argument("--kills", type=int, default=8, help="faults to inject (default 8)")
     demo.add_argument("--interval", type=float, default=0.5,
@@ -76,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         case "journal":
             return _journal(args)
+        case "chaos":
+            return _chaos(args)
         case "demo":
             from supervisor.demo import run_demo
             return run_demo(kills=args.kills, interval_s=args.interval)
@@ -122,6 +135,30 @@ def _run(args: argparse.Namespace) -> int:
         print(f"erlay: job failed: {result.reason}", file=sys.stderr)
         return 1
     return 0
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from chaos.scenario import ScenarioError, list_scenarios, load_scenario
+    if args.chaos_command == "list":
+        for name, description, smoke in list_scenarios():
+            print(f"{name:28s} {'[smoke] ' if smoke else ''}{description}")
+        return 0
+    try:
+        scenario = load_scenario(args.scenario)
+    except ScenarioError as exc:
+        print(f"erlay: {exc}", file=sys.stderr)
+        return 2
+    from pathlib import Path
+
+    from chaos.runner import run_scenario
+    result = run_scenario(scenario, config=Path(args.config) if args.config else None,
+                          parent=Path(args.out) if args.out else None,
+                          say=lambda line: print(line, flush=True))
+    for verdict in result.verdicts:
+        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[verdict.ok]
+        print(f"  {mark}  {verdict.name}: {verdict.detail}")
+    print(f"erlay: chaos report {result.report_paths[1]}")
+    return 0 if result.ok else 1
 
 
 def _journal(args: argparse.Namespace) -> int:

@@ -168,6 +168,10 @@ class DomainFlags(Section):
 
 
 class SupervisionSection(Section):
+    mode: Literal["local", "job_restart"] = Field(
+        "local", description="local: each fault domain recovers alone (erlay); job_restart: "
+        "any failure restarts the whole job from its last checkpoint, discarding rollouts in "
+        "flight (how most RL stacks recover; the chaos suite's baseline)")
     root: DomainFlags = DomainFlags(intensity=3, period=60)
     learner: DomainFlags = DomainFlags()
     generation: DomainFlags = DomainFlags()

@@ -85,10 +85,12 @@ class RolloutCoordinator:
         self.journal: Journal | None = job.journal
         self.reported_upto = -1   # metrics.jsonl already holds steps up to this one
         self.rewinds = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.checkpoint_exposed_s: list[float] = []   # per save, seconds the learner blocked
         job.coordinator = self
 
     async def setup(self) -> None:
+        self.loop = asyncio.get_running_loop()  # chaos injects tool calls onto this loop
         tree, paths = self.job.tree, self.job.paths
         self.learners = [tree.ref(p) for p in paths.learners]
         self.engines = EnginePool(tree, paths.engines)
@@ -240,8 +242,8 @@ class RolloutCoordinator:
         return list(trajectories), time.monotonic() - started
 
     def _history(self, rollout_id: str) -> RolloutHistory | None:
-        if self.journal is None:
-            return None
+        if self.journal is None or self.cfg.supervision.mode == "job_restart":
+            return None  # the baseline throws in-flight work away, as whole-job restarts do
         with self.journal.locked() as state:
             record = state.rollout(rollout_id)
             if record is None:
@@ -334,7 +336,11 @@ class RolloutCoordinator:
         assert self.sandbox is not None and self.judge is not None
         rewards = [t.reward for t in trajectories]
         tokens = sum(t.generated_tokens for t in trajectories)
-        versions = [t.min_version for t in trajectories if t.min_version >= 0]
+        # Staleness of what was trained: a stale trajectory is masked out (counted in
+        # `dropped`), so it must not count here.
+        versions = [t.min_version for t in trajectories if t.min_version >= 0
+                    and staleness_ok([t.min_version], self.base_version + n,
+                                     self.cfg.rollout.max_staleness)]
         learner_version = self.base_version + n
         self.report({
             "phase": "rl", "step": n, "version": metrics.get("version"),

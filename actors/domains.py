@@ -29,6 +29,11 @@ from supervisor.tree import ChildRef, SupervisionTree
 
 log = logging.getLogger("erlay.rollout")
 
+class EngineRequestFailed(ChildNotRunning):
+    """A live engine failed a streamed request (its method raised): fail over, but do not
+    count the engine as dead."""
+
+
 # A child that is restarting, or whose actor died under the call.
 CHILD_GONE = (ChildNotRunning, RayActorError, KeyError)
 
@@ -194,9 +199,10 @@ class EngineBatcher:
             # One fresh error per rollout: a shared exception object would collect every
             # rollout's traceback as each re-raises it.  Any failure of the call (the actor
             # died, or its method raised) fails the rollouts over to another engine.
+            kind = ChildNotRunning if isinstance(exc, RayActorError) else EngineRequestFailed
             for queue in queues.values():
-                queue.put_nowait(ChildNotRunning(f"{engine.path} failed under the stream: "
-                                                 f"{type(exc).__name__}: {exc}"[:500]))
+                queue.put_nowait(kind(f"{engine.path} failed under the stream: "
+                                      f"{type(exc).__name__}: {exc}"[:500]))
             return
         for queue in queues.values():  # the stream ended without finishing them
             queue.put_nowait(ChildNotRunning(f"{engine.path} ended the stream early"))

@@ -30,7 +30,7 @@ from environments.base import load_environment
 from supervisor.errors import SupervisorFailed
 from supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
 from supervisor.host import host_spec
-from supervisor.raylocal import alive_nodes, ensure_ray
+from supervisor.raylocal import alive_nodes, ensure_ray, shutdown_ray
 from supervisor.reason import ExitReason
 from supervisor.spec import (
     ActorStart,
@@ -185,12 +185,23 @@ class Job:
                              **kw)
 
         root_flags = _flags("one_for_one", sup.root, auto_shutdown="any_significant")
+        flags = {d: getattr(sup, d) for d in ("learner", "generation", "sandbox", "judge",
+                                             "rollout")}
+        if sup.mode == "job_restart":
+            # The baseline recovery mode of the root: no domain may restart anything (intensity
+            # 0 escalates at the first failure), and the root answers any escalation by
+            # restarting every domain (one_for_all): the learner reloads its checkpoint and
+            # the coordinator starts that step over without replaying the journal.
+            flags = {d: DomainFlags(intensity=0, period=f.period) for d, f in flags.items()}
+            root_flags = SupervisorFlags("one_for_all", intensity=max(sup.root.intensity, 50),
+                                         period=sup.root.period,
+                                         auto_shutdown="any_significant")
         children = [
-            domain("learner", _flags("one_for_all", sup.learner), learners),
-            domain("generation", _flags("one_for_one", sup.generation), engines),
-            domain("sandbox", _flags("one_for_one", sup.sandbox), sandbox_hosts),
-            domain("judge", _flags("one_for_one", sup.judge), judge_hosts),
-            domain("rollout", _flags("rest_for_one", sup.rollout,
+            domain("learner", _flags("one_for_all", flags["learner"]), learners),
+            domain("generation", _flags("one_for_one", flags["generation"]), engines),
+            domain("sandbox", _flags("one_for_one", flags["sandbox"]), sandbox_hosts),
+            domain("judge", _flags("one_for_one", flags["judge"]), judge_hosts),
+            domain("rollout", _flags("rest_for_one", flags["rollout"],
                                      auto_shutdown="any_significant"), [coordinator],
                    restart="transient", significant=True),
         ]
@@ -213,8 +224,8 @@ class Job:
         """Start Ray (or attach), run the tree until training ends, write the run dir."""
         cfg = self.cfg
         self.run_dir.config.write_text(cfg.to_yaml(), encoding="utf-8")
-        ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
-                   include_dashboard=cfg.ray.include_dashboard)
+        ray_info = ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
+                              include_dashboard=cfg.ray.include_dashboard)
         started = time.time()
         tree = self.build()
         try:
@@ -231,6 +242,9 @@ class Job:
             tree.stop()
             self._close()
             raise
+        finally:
+            if ray_info["started"]:  # a Ray this job started ends with it, agents and all
+                shutdown_ray()
         self._close()
         self.run_dir.plot_rewards()
         self.run_dir.write_summary(result.status, result.wall_s, result.reason)

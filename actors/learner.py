@@ -22,6 +22,8 @@ import ray
 
 from actors.checkpoint import AsyncCheckpointer, ensure_process_group, latest, load
 from actors.learner_core import LearnerCore, TrainBatch
+from supervisor import failpoints
+from supervisor.failpoints import Action, failpoint
 
 log = logging.getLogger("erlay.learner")
 
@@ -55,6 +57,7 @@ class Learner(LearnerCore):
                    expected_step: int | None = None) -> dict[str, float]:
         """:meth:`LearnerCore.train_step`, then commit any checkpoint the background worker
         has finished persisting (a non-blocking poll), so commits follow saves closely."""
+        failpoint("learner.train_step")
         metrics = super().train_step(batch, expected_step)
         if self._checkpointer is not None:
             self._checkpointer.poll()
@@ -78,6 +81,12 @@ class Learner(LearnerCore):
         """
         if self.rank != 0 or self.checkpoint_dir is None:
             return {"step": self._step, "exposed_s": 0.0, "committed": None}
+        # Chaos: a `delay` armed here is slow storage, so it slows the background write,
+        # not this call; any other action (raise, hang, exit) acts here, mid-save.
+        armed = failpoints.armed().get("learner.checkpoint")
+        write_delay_s = armed.delay_s if armed and armed.action is Action.DELAY else 0.0
+        if not write_delay_s:
+            failpoint("learner.checkpoint")
         if self._checkpointer is None:
             if self.world_size > 1:
                 self._ensure_group()
@@ -86,7 +95,8 @@ class Learner(LearnerCore):
         self._checkpointer.poll()  # commit finished saves first, so `committed` is current
         started = time.perf_counter()  # exposed time: the host copy and the hand-off
         with self._lock:  # no step may move the weights while they are staged
-            self._checkpointer.save(self._step, self._state_locked(copied=False), extra or {})
+            self._checkpointer.save(self._step, self._state_locked(copied=False), extra or {},
+                                    write_delay_s=write_delay_s)
         exposed = time.perf_counter() - started
         info = latest(self.checkpoint_dir)
         return {"step": self._step, "exposed_s": exposed,

@@ -14,17 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.domains import CHILD_GONE, EngineBatcher, EnginePool, JudgeClient, SandboxClient
+from actors.domains import (
+    CHILD_GONE,
+    EngineBatcher,
+    EnginePool,
+    EngineRequestFailed,
+    JudgeClient,
+    SandboxClient,
+)
 from actors.engine_api import GenerationRequest, TokenChunk
 from actors.sampling import rollout_seed
 from actors.tokenizer import EOS, CharTokenizer
 from actors.transitions import Transition, TransitionKind, TransitionSink
 from environments.base import Environment, Episode, tool_output_from_result
+from supervisor.failpoints import afailpoint
 
 log = logging.getLogger("erlay.rollout")
 
@@ -143,6 +153,8 @@ class RolloutRunner:
         self.tool_results_reused = 0
         self.tokens_regenerated = 0   # tokens an engine sent again after a failover
         self._reported_failures: set[tuple[str, int]] = set()
+        self._nonce = secrets.token_hex(3)
+        self._attempts = itertools.count()
 
     async def play(self, rollout_id: str, step: int, group: int, episode: Episode,
                    episode_index: int, history: RolloutHistory | None = None) -> Trajectory:
@@ -158,6 +170,7 @@ class RolloutRunner:
         traj = Trajectory(rollout_id, step, group, episode_index, prompt_ids)
         seed = rollout_seed(self.sampling.base_seed, rollout_id)
         if not history.dispatched:
+            await afailpoint("rollout.dispatch")
             self.sink.record(Transition(TransitionKind.DISPATCHED, rollout_id, {
                 "episode": episode.to_dict(), "prompt_ids": prompt_ids, "seed": seed,
                 "version": self.engines.weights.version if self.engines.weights else 0,
@@ -224,8 +237,11 @@ class RolloutRunner:
         while True:
             engine = await self.engines.acquire(exclude=frozenset(failed_engines))
             incarnation = engine.incarnation
+            # Unique per attempt: a failed-over or replayed turn must not collide with a
+            # request of the same turn that an engine (or a dead coordinator) still runs.
             request = GenerationRequest(
-                request_id=f"{rollout_id}/t{turn}", prompt_ids=tuple(context),
+                request_id=f"{rollout_id}/t{turn}/{self._nonce}.{next(self._attempts)}",
+                prompt_ids=tuple(context),
                 max_new_tokens=budget - len(tokens), seed=seed + turn,
                 temperature=self.sampling.temperature, prefix_ids=tuple(tokens),
                 chunk_tokens=self.sampling.chunk_tokens)
@@ -255,7 +271,8 @@ class RolloutRunner:
             except CHILD_GONE as exc:
                 traj.resumed += 1
                 failed_at = failed_at or time.monotonic()
-                failed_engines.add((engine.path, incarnation))
+                if not isinstance(exc, EngineRequestFailed):  # dead, not merely refusing
+                    failed_engines.add((engine.path, incarnation))
                 if (engine.path, incarnation) not in self._reported_failures:
                     self._reported_failures.add((engine.path, incarnation))
                     log.warning("engine %s (incarnation %d) failed under streaming rollouts; "

@@ -24,14 +24,14 @@ sys.path.insert(0, str(ROOT))
 from actors.config import load_config  # noqa: E402
 from actors.job import Job  # noqa: E402
 from actors.rundir import RunDir, reward_window  # noqa: E402
+from supervisor.raylocal import shutdown_ray  # noqa: E402
 
 
 def run_job(config: Path, overrides: list[str], parent: Path, name: str) -> tuple[Any, RunDir]:
-    import ray
     cfg = load_config(config, [*overrides, f"run.run_dir={parent}"])
     run_dir = RunDir.create(parent, name)
     result = Job(cfg, run_dir).run(progress=False)
-    ray.shutdown()
+    shutdown_ray()
     return result, run_dir
 
 

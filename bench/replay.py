@@ -40,6 +40,7 @@ from actors.config import load_config  # noqa: E402
 from actors.job import Job, JobResult  # noqa: E402
 from actors.rundir import RunDir  # noqa: E402
 from actors.transitions import MemoryTransitions, TransitionKind  # noqa: E402
+from supervisor.raylocal import shutdown_ray  # noqa: E402
 
 ENGINES = ("erlay/generation/engine-0", "erlay/generation/engine-1")
 
@@ -56,7 +57,6 @@ def overrides(steps: int, parent: Path) -> list[str]:
 
 def run(steps: int, parent: Path, name: str, kills: int,
         every_s: float) -> tuple[JobResult, Job, MemoryTransitions, list[float]]:
-    import ray
     cfg = load_config(ROOT / "configs" / "cpu.yaml", overrides(steps, parent))
     memory = MemoryTransitions()
     job = Job(cfg, RunDir.create(parent, name), transitions=memory)
@@ -67,7 +67,7 @@ def run(steps: int, parent: Path, name: str, kills: int,
     if kills:
         _kill_on_schedule(job, kills, every_s, killed_at, thread)
     thread.join()
-    ray.shutdown()
+    shutdown_ray()
     return results[0], job, memory, killed_at
 
 

@@ -119,6 +119,8 @@ class JudgeWorker:
             log.warning("judge %s failed on %s: %s: %s", self.judge_path, key,
                         type(exc).__name__, exc, exc_info=True)
             return Judgement.undecided(f"judge error: {type(exc).__name__}: {exc}")
+        if await afailpoint("judge.verdict"):  # chaos: the judge answers garbage
+            result = {"reward": float("nan"), "garbage": True}
         if isinstance(result, Judgement):
             return result
         self.counts["errors"] += 1

@@ -24,7 +24,7 @@ import psutil
 from supervisor.events import EventKind, FanoutSink, LoggingSink, MemorySink
 from supervisor.host import host_spec
 from supervisor.progress import Progress
-from supervisor.raylocal import ensure_ray, local_node_id
+from supervisor.raylocal import ensure_ray, local_node_id, shutdown_ray
 from supervisor.spec import (
     ActorStart,
     ChildSpec,
@@ -162,7 +162,7 @@ def run_demo(kills: int = 8, interval_s: float = 0.5, out: Any = sys.stdout) -> 
     say(tree.render())
     groups = ray.get(host.process_groups.remote())
     reason = tree.stop()
-    ray.shutdown()
+    shutdown_ray()
     orphans = [g for g in groups if psutil.pid_exists(g)]
     restarts = memory.of(EventKind.RESTART)
     recovered = [f for f in faults if f.latency_ms is not None]

@@ -60,7 +60,8 @@ log = logging.getLogger("erlay.failpoints")
 
 ENV_VAR = "ERLAY_FAILPOINTS"
 KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "judge.score",
-         "learner.train_step", "learner.checkpoint", "rollout.dispatch", "host.spawn")
+         "judge.verdict", "learner.train_step", "learner.checkpoint", "rollout.dispatch",
+         "host.spawn")
 # How often an async hang looks whether it was released.  Disarm may come from any thread
 # (a threaded actor's control group), so the hang polls a threading.Event instead of
 # awaiting a future bound to one loop.
@@ -89,6 +90,7 @@ class Action(StrEnum):
     HANG = "hang"
     DELAY = "delay"
     EXIT = "exit"
+    CORRUPT = "corrupt"  # the call returns True; the call site corrupts its own result
 
 
 def _field_error(name: str, expected: str, value: object) -> ValueError:
@@ -186,18 +188,22 @@ _LOCK = threading.Lock()
 
 
 # ---------------------------------------------------------------------------- hot path
-def failpoint(name: str) -> None:
+def failpoint(name: str) -> bool:
     """The failpoint ``name`` in sync code: nothing unless armed in this process.
 
     When it fires: ``raise`` raises :class:`FailpointError`, ``hang`` blocks this thread until
-    disarmed, ``delay`` sleeps, ``exit`` ends the process.
+    disarmed, ``delay`` sleeps, ``exit`` ends the process, and ``corrupt`` returns True (a
+    call site that can produce garbage, such as a judge's verdict, then does).  Returns
+    False otherwise.
     """
     if not _ARMED:
-        return
+        return False
     armed = _ARMED.get(name)
     if armed is None or not _fires(name, armed):
-        return
+        return False
     match armed.spec.action:
+        case Action.CORRUPT:
+            return True
         case Action.RAISE:
             raise FailpointError(name)
         case Action.HANG:
@@ -206,17 +212,20 @@ def failpoint(name: str) -> None:
             time.sleep(armed.spec.delay_s)
         case Action.EXIT:
             os._exit(armed.spec.exit_code)
+    return False
 
 
-async def afailpoint(name: str) -> None:
+async def afailpoint(name: str) -> bool:
     """The failpoint ``name`` in a coroutine: as :func:`failpoint`, but ``hang`` and ``delay``
     sleep in the calling task only (see the module docstring), never blocking the loop."""
     if not _ARMED:
-        return
+        return False
     armed = _ARMED.get(name)
     if armed is None or not _fires(name, armed):
-        return
+        return False
     match armed.spec.action:
+        case Action.CORRUPT:
+            return True
         case Action.RAISE:
             raise FailpointError(name)
         case Action.HANG:
@@ -226,6 +235,7 @@ async def afailpoint(name: str) -> None:
             await asyncio.sleep(armed.spec.delay_s)
         case Action.EXIT:
             os._exit(armed.spec.exit_code)
+    return False
 
 
 def _fires(name: str, armed: _Armed) -> bool:

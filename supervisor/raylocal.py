@@ -52,6 +52,38 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None,
     return {"address": info.address_info.get("gcs_address"), "started": True}
 
 
+def shutdown_ray(grace_s: float = 5.0) -> list[int]:
+    """``ray.shutdown()``, then make sure the local Ray this process started is really gone.
+
+    Ray 2.60's shutdown can leave the raylet's agents (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``) running, re-parented to init, after a run in which workers
+    were killed.  They are descendants of this process (it started the raylet), so they are
+    collected before the shutdown and any survivor is SIGKILLed after ``grace_s``.  Attached
+    clusters are left alone: their processes are not ours.  Returns the pids killed.
+    """
+    import psutil
+    ours = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ray" in " ".join(proc.cmdline()):  # raylet, gcs_server, ray::*, agents
+                ours.append(proc)
+        except psutil.Error:
+            continue
+    ray.shutdown()
+    _gone, alive = psutil.wait_procs(ours, timeout=grace_s)
+    killed = []
+    for proc in alive:
+        try:
+            proc.kill()
+            killed.append(proc.pid)
+        except psutil.Error:
+            continue
+    if killed:
+        log.warning("killed %d Ray process(es) that outlived ray.shutdown(): %s", len(killed),
+                    killed)
+    return killed
+
+
 def quiet_worker_death_notices() -> None:
     """Send Ray's "(raylet) A worker died..." notices to the log instead of stdout.
 

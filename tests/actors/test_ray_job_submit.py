@@ -58,7 +58,8 @@ def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path) -> None:
             time.sleep(2)
             status = client.get_job_status(job_id)
         logs = client.get_job_logs(job_id)
-        assert status == JobStatus.SUCCEEDED, f"{status}\n{logs[-3000:]}"
+        message = client.get_job_info(job_id).message
+        assert status == JobStatus.SUCCEEDED, f"{status}: {message}\n{logs[-3000:]}"
         assert "status: **finished**" in logs
         assert list(tmp_path.glob("arithmetic-*/summary.md"))
     finally:

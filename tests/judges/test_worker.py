@@ -164,3 +164,16 @@ def test_judge_score_failpoint_raise_escapes_as_a_worker_fault() -> None:
         failpoints.disarm_all()
     assert CALLS == [] and w.stats()["in_flight"] == 0
     assert asyncio.run(w.score("1", "1", "k"))["ok"] is True
+
+
+def test_judge_verdict_failpoint_corrupts_one_verdict_which_is_marked_not_zeroed() -> None:
+    from supervisor import failpoints
+    w = worker("CountingJudge")
+    failpoints.arm("judge.verdict", "corrupt", count=1)
+    try:
+        garbage = asyncio.run(w.score("1", "1", "k1"))
+        after = asyncio.run(w.score("1", "1", "k2"))
+    finally:
+        failpoints.disarm_all()
+    assert garbage["ok"] is False and "not a Judgement" in garbage["reason"]
+    assert after["ok"] is True  # count=1: only one verdict was corrupted
