@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     chaos_run.add_argument("--config", help="run this job config instead of the scenario's "
                            "(the scenario's overrides still apply)")
     chaos_run.add_argument("--out", help="parent directory of the runs (default runs/chaos)")
+    chaos_run.add_argument("--no-baselines", action="store_true", help="skip the fault-free "
+                           "and job-restart runs (the invariants that need them are skipped)")
     demo = sub.add_parser("demo", help="run a local supervision tree that survives kills")
     demo.add_argument("--kills", type=int, default=8, help="faults to inject (default 8)")
     demo.add_argument("--interval", type=float, default=0.5,
@@ -153,7 +155,8 @@ def _chaos(args: argparse.Namespace) -> int:
     from chaos.runner import run_scenario
     result = run_scenario(scenario, config=Path(args.config) if args.config else None,
                           parent=Path(args.out) if args.out else None,
-                          say=lambda line: print(line, flush=True))
+                          say=lambda line: print(line, flush=True),
+                          with_baselines=not args.no_baselines)
     for verdict in result.verdicts:
         mark = {True: "PASS", False: "FAIL", None: "SKIP"}[verdict.ok]
         print(f"  {mark}  {verdict.name}: {verdict.detail}")

@@ -171,9 +171,12 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
             thread.join(120)
     finally:
         injector.close()
-        shutdown_ray()
-        if cluster is not None:
+        if cluster is not None:  # the cluster owns its nodes' processes: it ends them
+            import ray
+            ray.shutdown()
             cluster.shutdown()
+        else:
+            shutdown_ray()
     wall_s = time.time() - started
     result = results[0] if results else None
     reason = ""
