@@ -35,13 +35,13 @@ config as ``"module:Class"`` and built by :func:`load_environment`; no edit to e
 from __future__ import annotations
 
 import enum
-import importlib
 import string
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from supervisor.errors import ErlayError
+from supervisor.imports import import_path
 
 # Mirrors actors.tokenizer.ALPHABET (environments may not import actors; a test checks that
 # the two agree).
@@ -248,25 +248,6 @@ class Environment(Protocol):
 _MEMBERS = ("reset", "step", "observe", "demonstration")
 
 
-def _import_attr(path: str, what: str) -> Any:
-    """Resolve ``"module:attr"`` with errors that name what was missing."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} path must be 'module:Class', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"cannot import {what} module {module_name!r} (from {path!r}): {exc}",
-                          name=module_name) from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AttributeError(f"{what} module {module_name!r} has no attribute {attr!r}",
-                                 name=attr, obj=module)
-        obj = getattr(obj, part)
-    return obj
-
-
 def _missing_members(obj: Any, data: bool) -> list[str]:
     missing = [m for m in _MEMBERS if not callable(getattr(obj, m, None))]
     if data:
@@ -286,7 +267,7 @@ def load_environment(path: str, **kwargs: Any) -> Environment:
     the missing members when the class (checked before it is built) or the built object does
     not implement :class:`Environment`.  Errors the constructor raises propagate unchanged.
     """
-    target = _import_attr(path, "environment")
+    target = import_path(path, "environment")
     if not callable(target):
         raise TypeError(f"environment {path!r} is not a class or factory: {target!r}")
     if isinstance(target, type):

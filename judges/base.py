@@ -9,13 +9,13 @@ answer was wrong.  ``ok=True`` with reward 0.0 means the judge decided the answe
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from supervisor.errors import ErlayError
+from supervisor.imports import import_path
 
 # Reasons shared by the built-in judges, so reports can group by them.
 CORRECT = "correct"
@@ -84,26 +84,6 @@ class AsyncJudge(Protocol):
     name: str
 
     async def score_async(self, judge_input: str, answer: str, **context: Any) -> Judgement: ...
-
-
-def import_path(path: str, what: str = "judge") -> Any:
-    """Resolve ``"module:attr"``.  Raises ValueError for a malformed path, ImportError naming
-    the module, AttributeError naming the attribute."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} path must be 'module:attr', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"cannot import {what} module {module_name!r} (from {path!r}): {exc}",
-                          name=module_name) from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AttributeError(f"{what} module {module_name!r} has no attribute {attr!r}",
-                                 name=attr, obj=module)
-        obj = getattr(obj, part)
-    return obj
 
 
 def load_judge(path: str, **kwargs: Any) -> Judge | AsyncJudge:

@@ -20,13 +20,13 @@ untrusted work belongs in subprocess children.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import os
 from collections.abc import Callable
 from typing import Any
 
 from supervisor.errors import ChildNotRunning
+from supervisor.imports import import_path
 from supervisor.progress import Progress, ProgressSnapshot
 from supervisor.reason import KILLED, NORMAL, SHUTDOWN, ExitReason, from_exception
 from supervisor.runtime import ChildProcess, StartContext
@@ -37,11 +37,7 @@ def resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:
     """Return ``target``, importing it first when it is a ``"module:attr"`` path."""
     if not isinstance(target, str):
         return target
-    module_name, _, attr = target.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
+    return import_path(target, "hosted child")  # type: ignore[no-any-return]
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -54,3 +54,13 @@ def ray_with_dashboard() -> Iterator[None]:
     ensure_ray(num_cpus=8, include_dashboard=True)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def fresh_ray() -> Iterator[None]:
+    """No Ray at the start (a job under test starts its own), none left at the end."""
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    ray.shutdown()

@@ -8,7 +8,6 @@ back as observations.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,6 @@ from supervisor.events import EventKind, read_events
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def fresh_ray() -> Iterator[None]:
-    import ray
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 def test_arithmetic_reward_rises_under_rl(tmp_path: Path, fresh_ray: None) -> None:

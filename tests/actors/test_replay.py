@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ from actors.transitions import MemoryTransitions, TransitionKind
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
 ENGINES = ("erlay/generation/engine-0", "erlay/generation/engine-1")
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def fresh_ray() -> Iterator[None]:
-    import ray
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 def run(tmp_path: Path, name: str, kills: int) -> tuple[JobResult, Job, MemoryTransitions,

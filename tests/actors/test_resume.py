@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,15 +31,6 @@ SMALL = ["warm_start.steps=30", "rollout.prompts_per_step=8", "rollout.group_siz
          "rollout.max_staleness=0", "checkpoint.every_steps=2", "ray.num_cpus=4",
          "learner.lr_decay_steps=0"]
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def fresh_ray() -> Iterator[None]:
-    import ray
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 def consumed(run_dir: Path) -> dict[str, int]:
