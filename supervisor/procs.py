@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.reaper import TOKEN_VAR, processes_with_token
+from supervisor.reaper import TOKEN_VAR, processes_with_token, same_group, start_ticks
 
 log = logging.getLogger("erlay.supervisor")
 
@@ -45,7 +45,7 @@ class ProcessKeeper:
     def __init__(self, env: Mapping[str, str] | None = None, token: str | None = None) -> None:
         self.token = token or uuid.uuid4().hex
         self.declared_env = dict(env or {})
-        self.groups: set[int] = set()
+        self.groups: dict[int, int | None] = {}   # pgid -> its leader's start ticks
         self._reaper: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
@@ -72,9 +72,20 @@ class ProcessKeeper:
         self._register(proc.pid)
         return proc
 
+    def signal_group(self, pgid: int, sig: int) -> bool:
+        """Send ``sig`` to a group this keeper spawned, unless its id has since been reused
+        by someone else's group (pids wrap); False if it is gone or not ours any more."""
+        with self._lock:
+            leader_start = self.groups.get(pgid)
+        if not same_group(pgid, leader_start):
+            log.warning("process group %d was reused by another process; not signalling it",
+                        pgid)
+            return False
+        return signal_group(pgid, sig)
+
     def kill_group(self, pgid: int) -> None:
         """SIGKILL a group and stop tracking it."""
-        signal_group(pgid, signal.SIGKILL)
+        self.signal_group(pgid, signal.SIGKILL)
         self._unregister(pgid)
 
     def kill_all(self) -> None:
@@ -109,8 +120,8 @@ class ProcessKeeper:
             self._reaper = subprocess.Popen([sys.executable, "-I", "-S", script, self.token],
                                             stdin=subprocess.PIPE, env=env,
                                             start_new_session=True, close_fds=True)
-            for pgid in self.groups:
-                self._tell(f"+{pgid}")
+            for pgid, leader_start in self.groups.items():
+                self._tell(f"+{pgid}:{leader_start if leader_start is not None else ''}")
 
     def _tell(self, line: str) -> None:
         reaper = self._reaper
@@ -123,14 +134,15 @@ class ProcessKeeper:
             log.warning("the reaper is gone; subprocess cleanup relies on the host alone")
 
     def _register(self, pgid: int) -> None:
+        leader_start = start_ticks(pgid)
         with self._lock:
-            self.groups.add(pgid)
-            self._tell(f"+{pgid}")
+            self.groups[pgid] = leader_start
+            self._tell(f"+{pgid}:{leader_start if leader_start is not None else ''}")
 
     def _unregister(self, pgid: int) -> None:
         with self._lock:
             if pgid in self.groups:
-                self.groups.discard(pgid)
+                del self.groups[pgid]
                 self._tell(f"-{pgid}")
 
 

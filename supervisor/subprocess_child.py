@@ -146,10 +146,7 @@ class SubprocessChild:
         return reason
 
     def keeper_signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            pass
+        self.keeper.signal_group(self.pid, sig)
 
     async def kill(self, reason: ExitReason) -> None:
         self._forced = reason

@@ -1,0 +1,69 @@
+"""Process groups: a keeper kills what it spawned, and never a group whose id was reused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from supervisor.procs import ProcessKeeper
+from supervisor.reaper import same_group, start_ticks
+from tests.conftest import wait_for
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_start_ticks_identify_a_live_process_and_none_for_a_dead_one() -> None:
+    proc = subprocess.Popen(SLEEPER)
+    try:
+        ticks = start_ticks(proc.pid)
+        assert ticks is not None and ticks >= start_ticks(os.getpid())  # type: ignore[operator]
+        assert same_group(proc.pid, ticks)
+        assert not same_group(proc.pid, ticks - 1)  # a different leader: a reused id
+    finally:
+        proc.kill()
+        proc.wait()
+    assert start_ticks(proc.pid) is None or not alive(proc.pid)
+
+
+def test_keeper_kills_its_group_but_not_a_group_that_reused_the_id() -> None:
+    keeper = ProcessKeeper()
+    try:
+        ours = keeper.spawn(SLEEPER)
+        keeper.kill_group(ours.pid)
+        ours.wait(timeout=10)
+        assert ours.returncode == -signal.SIGKILL and not keeper.groups
+        # Someone else's group, registered under a stale identity: the keeper must leave it.
+        stranger = subprocess.Popen(SLEEPER, start_new_session=True)
+        keeper.groups[stranger.pid] = (start_ticks(stranger.pid) or 0) - 1
+        assert keeper.signal_group(stranger.pid, signal.SIGKILL) is False
+        time.sleep(0.2)
+        assert alive(stranger.pid)
+        stranger.kill()
+        stranger.wait()
+    finally:
+        keeper.groups.clear()
+        keeper.close()
+
+
+def test_reaper_kills_registered_groups_when_the_host_goes_away() -> None:
+    keeper = ProcessKeeper()
+    child = keeper.spawn(SLEEPER)
+    reaper = keeper._reaper
+    assert reaper is not None and reaper.stdin is not None
+    reaper.stdin.close()  # what the host's death does
+    wait_for(lambda: child.poll() is not None, 10, what="the group killed by the reaper")
+    reaper.wait(timeout=10)
+    keeper._reaper = None
+    keeper.groups.clear()
