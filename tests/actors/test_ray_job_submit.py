@@ -48,10 +48,20 @@ def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path) -> None:
                 time.sleep(2)
         assert client is not None, f"no job server at {address}"
         # The cluster's python must have erlay's dependencies; here it is this venv's.
-        job_id = client.submit_job(
-            entrypoint=f"{sys.executable} -m actors.cli run configs/cpu.yaml run.steps=3 "
-                       f"warm_start.steps=2 --no-progress run.run_dir={tmp_path}",
-            runtime_env={"working_dir": str(ROOT)})
+        job_id = None
+        for _ in range(30):  # the job agent comes up a little after the dashboard
+            try:
+                job_id = client.submit_job(
+                    entrypoint=f"{sys.executable} -m actors.cli run configs/cpu.yaml "
+                               f"run.steps=3 warm_start.steps=2 --no-progress "
+                               f"run.run_dir={tmp_path}",
+                    runtime_env={"working_dir": str(ROOT)})
+                break
+            except RuntimeError as exc:  # "No available agent to submit job" (HTTP 500)
+                if "agent" not in str(exc):
+                    raise
+                time.sleep(2)
+        assert job_id is not None, "the job agent never came up"
         deadline = time.monotonic() + 240
         status = client.get_job_status(job_id)
         while time.monotonic() < deadline and not status.is_terminal():
