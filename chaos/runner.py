@@ -36,7 +36,7 @@ from actors.job import Job, JobResult
 from actors.journal import Journal
 from actors.rundir import RunDir
 from actors.transitions import MemoryTransitions, TransitionKind
-from chaos.faults import FaultRecord, domain_of
+from chaos.faults import FaultRecord
 from chaos.injectors import FAILPOINT_HOMES, Injector
 from chaos.invariants import RunObservation, Verdict, check_all
 from chaos.report import build_report, goodput, write_report
@@ -403,6 +403,3 @@ def _is_jobs(proc: dict[str, Any]) -> bool:
     return ("ray" in cmd or sys.executable in cmd or "python" in cmd
             or proc.get("uid", 0) >= 60000)
 
-
-def domains_of(records: list[FaultRecord]) -> set[str]:
-    return {domain_of(r.target) for r in records}
