@@ -22,7 +22,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path) -> None:
+def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
     if ray.is_initialized():
         ray.shutdown()
@@ -36,7 +37,9 @@ def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path) -> None:
          f"--dashboard-port={dashboard}", "--num-cpus=4", "--include-dashboard=true"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # The job SDK talks plain HTTP to the dashboard.  Set for this test only: later tests
+    # in this process start their own Ray, and Ray caches its auth settings per process.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     from ray.job_submission import JobStatus, JobSubmissionClient
     try:
         client = None
