@@ -30,11 +30,14 @@ def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path,
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    gcs, dashboard = free_port(), free_port()
+    # Every port on a free one: Ray's fixed defaults (the dashboard agent's 52365 above
+    # all) may still be held by an agent of another Ray on this machine.
+    gcs, dashboard, agent = free_port(), free_port(), free_port()
     head = subprocess.Popen(
         [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", "--num-cpus=4", "--include-dashboard=true"],
+         f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}",
+         "--num-cpus=4", "--include-dashboard=true"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
     # The job SDK talks plain HTTP to the dashboard.  Set for this test only: later tests
