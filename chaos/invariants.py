@@ -269,6 +269,14 @@ def replay_identical(obs: RunObservation, fault_free: RunObservation | None = No
 
 # --------------------------------------------------------------------------- detection
 
+def _ended_normally(reason: str) -> bool:
+    """A domain's exit reason that is not a failure: a normal exit, or a shutdown it was
+    asked for (auto_shutdown at the end of training) rather than giving up."""
+    if reason.startswith("normal"):
+        return True
+    return reason.startswith("shutdown") and "reached_max" not in reason
+
+
 @dataclass(frozen=True)
 class FaultMatch:
     """How the tree answered one fault.
@@ -321,8 +329,8 @@ def match_fault(fault: FaultRecord, events: list[SupervisorEvent], *,
       by every domain that had children there, so any domain counts).
     - ``escalation``: an ESCALATION by a supervisor of ``fault.domain`` at or after
       ``at - skew_s`` (no window: giving up takes intensity+1 failures, however long).
-    - ``absorbed``: no domain supervisor itself exits or hangs (an EXIT/HANG reported by the
-      root) within the window: the domain coped without giving up.
+    - ``absorbed``: no domain supervisor itself fails (an EXIT/HANG reported by the root,
+      other than a normal or shutdown end) within the window: the domain coped.
     - a target of ``driver``: unchecked, since no supervisor watches the driver; the run's
       end and the exactly-once invariants judge a driver fault instead.
     """
@@ -357,7 +365,10 @@ def match_fault(fault: FaultRecord, events: list[SupervisorEvent], *,
             return FaultMatch(fault, False, "not_escalated", None,
                               f"no escalation in the {fault.domain} domain after the fault")
         case "absorbed":
-            broke = [e for e in in_window if "/" not in e.supervisor]
+            # A domain that ends because training is done (auto_shutdown, shutdown, normal)
+            # did not give up: only a failing exit of a domain breaks an absorbed fault.
+            broke = [e for e in in_window if "/" not in e.supervisor
+                     and not _ended_normally(str(e.reason))]
             if broke:
                 return FaultMatch(fault, False, "not_absorbed", broke[0],
                                   f"domain {broke[0].path} {broke[0].context.value} within "

@@ -376,3 +376,9 @@ def test_check_all_selects_and_rejects_unknown_names() -> None:
     assert [(v.name, v.status) for v in verdicts] == [("no_orphans", "FAIL")]
     with pytest.raises(ValueError, match="no_orphan"):
         check_all(RunObservation(), selected=["no_orphan"])
+
+
+def test_a_domain_ending_with_the_job_does_not_break_an_absorbed_fault() -> None:
+    attack = fault("erlay/sandbox/host@node-0", kind="sandbox_attack", expect="absorbed")
+    end = ev("erlay", "rollout", EventKind.EXIT, T0 + 2, "shutdown: auto_shutdown")
+    assert faults_detected(RunObservation(faults=[attack], events=[end])).ok is True
