@@ -101,7 +101,7 @@ class Injector:
         return record
 
     # ----------------------------------------------------------------- injectors
-    def wait_for_phase(self, path: str, phase: str, timeout_s: float = 20.0) -> bool:
+    def wait_for_phase(self, path: str, phase: str, timeout_s: float = 3.0) -> bool:
         """Wait until ``path``, or a child it hosts, holds work in ``phase`` (the tree's
         snapshot shows each child's phase), so a fault lands mid-work; False if that did not
         happen within ``timeout_s``."""
