@@ -211,23 +211,34 @@ def _wait_for_rl(job: Job, thread: threading.Thread, duration_s: float) -> float
 def _inject_on_schedule(scenario: Scenario, injector: Injector, job: Job,
                         thread: threading.Thread, deadline: float,
                         cluster: Any = None) -> None:
+    """Fire the timed faults at their offsets from now (the first RL step) and the
+    ``at_step`` faults once the job has reported that many RL steps, until the job ends or
+    the deadline passes."""
     t0 = time.monotonic()
-    for offset, index in schedule(list(scenario.faults), scenario.duration_s):
-        while thread.is_alive() and time.monotonic() < min(t0 + offset, deadline):
-            time.sleep(0.02)
-        if not thread.is_alive() or time.monotonic() >= deadline:
+    timed = list(schedule(list(scenario.faults), scenario.duration_s))
+    stepped = scenario.step_schedule()
+    while (timed or stepped) and thread.is_alive() and time.monotonic() < deadline:
+        due: list[int] = []
+        while timed and time.monotonic() >= t0 + timed[0][0]:
+            due.append(timed.pop(0)[1])
+        if stepped and len(job.run_dir.rl_steps()) >= stepped[0][0]:
+            due.append(stepped.pop(0)[1])
+        for index in due:
+            _fire(scenario.faults[index], injector, cluster)
+        if not due:
+            time.sleep(0.02 if not stepped else 0.05)
+
+
+def _fire(spec: FaultSpec, injector: Injector, cluster: Any) -> None:
+    if spec.params.get("scope") == "env":
+        return  # armed at process start
+    try:
+        if spec.inject == "node_loss":
+            injector.node_loss(cluster)
             return
-        spec = scenario.faults[index]
-        if spec.params.get("scope") == "env":
-            continue  # armed at process start
-        try:
-            if spec.inject == "node_loss":
-                injector.node_loss(cluster)
-                continue
-            inject_one(injector, spec)
-        except Exception as exc:  # noqa: BLE001 - a target between incarnations: skip it
-            log.warning("chaos: could not inject %s into %s: %s", spec.inject, spec.target,
-                        exc)
+        inject_one(injector, spec)
+    except Exception as exc:  # noqa: BLE001 - a target between incarnations: skip it
+        log.warning("chaos: could not inject %s into %s: %s", spec.inject, spec.target, exc)
 
 
 def inject_one(injector: Injector, spec: FaultSpec) -> FaultRecord:

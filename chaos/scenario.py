@@ -16,10 +16,12 @@ What load time checks, beyond the types:
 - the scenario's ``expect`` agrees with its faults' (an escalation ends the job).
 
 Timing forms, in seconds after the first RL step (the warm start is not scenario time):
-``at: T`` fires once; ``every: P`` fires at ``start``, ``start + P``, ... (``start`` defaults
-to ``P``); ``random: {rate_per_s, seed}`` is a seeded Poisson process from ``start``
-(default 0).  ``every`` and ``random`` need ``count.max``.  Nothing fires at or after
-``duration_s``, the hard bound after which the runner stops the job.
+``at: T`` fires once; ``at_step: N`` fires once, when the job has reported its N-th RL step
+(the same point in training on a fast machine and a slow one); ``every: P`` fires at
+``start``, ``start + P``, ... (``start`` defaults to ``P``); ``random: {rate_per_s,
+seed}`` is a seeded Poisson process from ``start`` (default 0).  ``every`` and ``random``
+need ``count.max``.  Nothing fires at or after ``duration_s``, the hard bound after which
+the runner stops the job.
 
 A glob target hits one matching child per firing (the runner's choice, round robin); a
 failpoint's ``params.in`` is where it is armed, every matching process.
@@ -236,6 +238,8 @@ class FaultSpec(_Model):
     target: str = Field(None, validate_default=True, description="tree path or glob, a "
                         "failpoint name, worker-<k> (node_loss) or driver (driver_kill)")
     at: float | None = Field(None, ge=0, description="fire once, this long after RL starts")
+    at_step: int | None = Field(None, ge=1, description="fire once, when the job has "
+                                "reported this many RL steps")
     every: float | None = Field(None, gt=0, description="fire with this period")
     start: float | None = Field(None, ge=0, description="every: first firing (default: "
                                 "every); random: start of the process (default 0)")
@@ -300,17 +304,19 @@ class FaultSpec(_Model):
     @model_validator(mode="after")
     def _timing(self) -> FaultSpec:
         problems: list[Problem] = []
-        given = [k for k in ("at", "every", "random") if getattr(self, k) is not None]
+        given = [k for k in ("at", "at_step", "every", "random") if getattr(self, k) is not None]
+        once = self.at is not None or self.at_step is not None
         if len(given) != 1:
             key = given[1] if len(given) > 1 else "at"
-            problems.append(((key,), "expected exactly one timing of at, every, random; given "
-                             + (" and ".join(given) or "none"), NOTHING))
-        if self.at is not None and self.start is not None:
-            problems.append((("start",), "expected no start with at (at is the time)",
+            problems.append(((key,), "expected exactly one timing of at, at_step, every, "
+                             "random; given " + (" and ".join(given) or "none"), NOTHING))
+        if once and self.start is not None:
+            problems.append((("start",), f"expected no start with {given[0]} (it is the time)",
                              self.start))
-        if self.at is not None and self.count is not None and self.count.max not in (None, 1):
-            problems.append((("count", "max"), "expected 1: at fires once", self.count.max))
-        if self.at is None and given and (self.count is None or self.count.max is None):
+        if once and self.count is not None and self.count.max not in (None, 1):
+            problems.append((("count", "max"), f"expected 1: {given[0]} fires once",
+                             self.count.max))
+        if not once and given and (self.count is None or self.count.max is None):
             problems.append((("count", "max"), "required with every and random: a bound on "
                              "how many times it fires", NOTHING))
         if self.inject == "driver_kill" and self.at is None and given:
@@ -442,6 +448,10 @@ class Scenario(_Model):
                              "cannot inject into", "driver_kill"))
         problems += [(("faults", i, *loc), text, given)
                      for i, loc, text, given in schedule_problems(self.faults, self.duration_s)]
+        steps = self.job_config().run.steps
+        problems += [(("faults", i, "at_step"), f"expected fewer than run.steps ({steps}): "
+                      "the job ends at its last step", f.at_step)
+                     for i, f in enumerate(self.faults) if (f.at_step or 0) >= steps]
         if problems:
             raise invalid(problems)
         return self
@@ -456,8 +466,12 @@ class Scenario(_Model):
         return load_config(self.config_path, self.overrides)
 
     def schedule(self) -> list[tuple[float, int]]:
-        """:func:`schedule` of this scenario's faults within its duration."""
+        """:func:`schedule` of this scenario's timed faults within its duration."""
         return schedule(self.faults, self.duration_s)
+
+    def step_schedule(self) -> list[tuple[int, int]]:
+        """``(RL step, fault index)`` of the faults timed by ``at_step``, in step order."""
+        return sorted((f.at_step, i) for i, f in enumerate(self.faults) if f.at_step)
 
 
 # ---------------------------------------------------------------------- the tree

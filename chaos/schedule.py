@@ -23,6 +23,8 @@ def firings(fault: FaultSpec, duration_s: float) -> list[float]:
     """The offsets at which ``fault`` fires within ``duration_s``, in order."""
     if fault.at is not None:
         return [fault.at] if fault.at < duration_s else []
+    if fault.at_step is not None:
+        return []  # fired by training progress, not by the clock (Scenario.step_schedule)
     limit = fault.count.max if fault.count is not None and fault.count.max is not None else 0
     times: list[float] = []
     if fault.every is not None:
@@ -47,6 +49,8 @@ def schedule_problems(faults: Sequence[FaultSpec], duration_s: float
     cannot fit in ``duration_s``, and every ``at``/``every`` fault that never fires there."""
     problems: list[tuple[int, tuple[str, ...], str, Any]] = []
     for i, fault in enumerate(faults):
+        if fault.at_step is not None:
+            continue
         fired = len(firings(fault, duration_s))
         if fault.count is not None and fired < fault.count.min:
             problems.append((i, ("count", "min"), f"count.min {fault.count.min} cannot fit in "
@@ -64,6 +68,8 @@ def timing_text(fault: FaultSpec) -> str:
     """The fault's timing in words, e.g. ``every 20 s from 20 s``."""
     if fault.at is not None:
         return f"at {fault.at:g} s"
+    if fault.at_step is not None:
+        return f"after RL step {fault.at_step}"
     if fault.every is not None:
         first = fault.every if fault.start is None else fault.start
         return f"every {fault.every:g} s from {first:g} s"

@@ -53,7 +53,7 @@ def test_every_shipped_scenario_loads(path: Path) -> None:
     scenario = load_scenario(path)
     assert scenario.name == path.stem
     assert scenario.description.strip()
-    assert scenario.schedule(), "a shipped scenario must inject something"
+    assert scenario.schedule() or scenario.step_schedule(), "a shipped scenario must inject"
 
 
 def test_every_required_scenario_is_shipped() -> None:
@@ -72,6 +72,16 @@ def test_smoke_scenarios_are_short() -> None:
         scenario = load_scenario(name)
         assert scenario.duration_s <= 90
         assert scenario.job_config().run.steps <= 8
+
+
+def test_smoke_faults_that_need_a_running_step_are_timed_by_steps() -> None:
+    # A fast machine finishes 8 RL steps in a few seconds: a fault timed in seconds can
+    # arrive after the job ended, so the smoke faults into running work use at_step.
+    for name in SMOKE:
+        scenario = load_scenario(name)
+        for spec in scenario.faults:
+            if spec.params.get("during") is not None:
+                assert spec.at_step is not None, (name, spec)
 
 
 def test_mixed_soak_fires_about_every_20_s_rotating_over_the_domains() -> None:
@@ -122,7 +132,14 @@ def test_root_matches_the_job_tree() -> None:
     ({"faults": [{**LEARNER_KILL, "inject": "sigkil"}]},
      r"faults\.0\.inject: expected .*'sigkill'.* \(given 'sigkil'\); did you mean 'sigkill'"),
     ({"faults": [{**LEARNER_KILL, "every": 5, "count": {"max": 2}}]},
-     r"faults\.0\.every: expected exactly one timing of at, every, random; given at and every"),
+     r"faults\.0\.every: expected exactly one timing of at, at_step, every, random; given "
+     r"at and every"),
+    ({"faults": [{**LEARNER_KILL, "at": None, "at_step": 8}], "overrides": ["run.steps=8"]},
+     r"faults\.0\.at_step: expected fewer than run\.steps \(8\).*given 8"),
+    ({"faults": [{**LEARNER_KILL, "at": None, "at_step": 2, "start": 1}]},
+     r"faults\.0\.start: expected no start with at_step"),
+    ({"faults": [{**LEARNER_KILL, "at": None, "at_step": 0}]},
+     r"faults\.0\.at_step: .*greater than or equal to 1"),
     ({"faults": [{"inject": "sandbox_attack", "target": "erlay/sandbox/host@node-0", "at": 1}]},
      r"faults\.0\.params\.attack: required key is missing \(expected one of 'endless_loop'"),
     ({"faults": [{"inject": "sandbox_attack", "target": "erlay/sandbox/host@node-0", "at": 1,
@@ -238,6 +255,15 @@ def test_a_scenario_is_frozen() -> None:
 # ------------------------------------------------------------------------ schedule
 def test_at_fires_once_and_is_skipped_past_the_duration() -> None:
     assert schedule([fault(at=5), fault(at=70)], 60) == [(5.0, 0)]
+
+
+def test_at_step_is_not_on_the_clock_but_in_the_step_schedule(tmp_path: Path) -> None:
+    assert schedule([fault(at_step=3), fault(at=5)], 60) == [(5.0, 1)]
+    scenario = load_scenario(write(tmp_path, faults=[
+        {**LEARNER_KILL, "at": None, "at_step": 5}, {**LEARNER_KILL, "at": None, "at_step": 2},
+        LEARNER_KILL]))
+    assert scenario.step_schedule() == [(2, 1), (5, 0)]
+    assert scenario.schedule() == [(1.0, 2)]
 
 
 def test_every_fires_from_its_period_up_to_count_max() -> None:
