@@ -18,24 +18,26 @@ ADVICE = ("Install erlay in its own virtual environment: "
           "python3.11 -m venv .venv && .venv/bin/pip install -e .")
 
 
-def _owners(name: str) -> list[str]:
-    """Distributions (other than erlay) that declare the top-level name ``name``."""
-    owners = []
-    for dist in importlib.metadata.distributions():
-        dist_name = dist.metadata["Name"] or "?"
-        if dist_name.lower() == "erlay":
-            continue
-        top = (dist.read_text("top_level.txt") or "").split()
-        files = dist.files or []
-        if name in top or any(str(f).split("/", 1)[0] == name and str(f).endswith(".py")
-                              for f in files):
-            owners.append(f"{dist_name} {dist.version}")
-    return owners
+def _claims() -> dict[str, list[str]]:
+    """Top-level name -> distributions (other than erlay) that declare it, in one pass
+    over the installed metadata (``packages_distributions`` reads each top_level.txt, or
+    the file list where there is none)."""
+    versions = {(d.metadata["Name"] or "?").lower(): (d.metadata["Name"] or "?", d.version)
+                for d in importlib.metadata.distributions()}
+    claims: dict[str, list[str]] = {}
+    for top, dists in importlib.metadata.packages_distributions().items():
+        for dist in dict.fromkeys(dists):
+            if dist.lower() == "erlay":
+                continue
+            name, version = versions.get(dist.lower(), (dist, "?"))
+            claims.setdefault(top, []).append(f"{name} {version}")
+    return claims
 
 
 def check_install() -> list[str]:
     """Return one problem description per missing or shadowed package (empty when fine)."""
     problems = []
+    claims = _claims()
     for name in ERLAY_PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is None or spec.origin is None:
@@ -46,13 +48,12 @@ def check_install() -> list[str]:
             text = origin.read_text(encoding="utf-8", errors="replace")
         except OSError:
             text = ""
+        owners = claims.get(name, [])
         if f'ERLAY_PACKAGE = "{name}"' not in text:
-            owners = _owners(name)
             by = f" (installed by {', '.join(owners)})" if owners else ""
             problems.append(f"package '{name}' resolves to {origin.parent}{by}, which is not "
                             "erlay's: another distribution shadows it")
             continue
-        owners = _owners(name)
         if owners:
             problems.append(f"package '{name}' is also claimed by {', '.join(owners)}; its files "
                             "may have been overwritten")
