@@ -1,0 +1,594 @@
+"""``erlay report RUN_DIR``: a Markdown report with plots of a finished or crashed run.
+
+The report reads the run directory and never writes into it (only into ``--out``, by default
+``RUN_DIR/report``).  It is written for the run a user is debugging, so a crashed run reads
+as well as a finished one: a torn last line is skipped, and a missing ``summary.md``,
+``events.jsonl``, ``telemetry/`` or an empty ``metrics.jsonl`` each turns into a note in the
+report and a figure left out, never a traceback.
+
+``report.md`` holds an overview, the failure-attribution table (by domain and cause, with
+recovery times and goodput cost; definitions in :mod:`actors.attribution`), the failures
+one by one, and four figures: ``reward.png``, ``throughput.png``, ``restarts.png`` and
+``gen_latency.png``.  ``events.jsonl`` is the source for failures; telemetry spans only for
+the generation-latency distribution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from actors.attribution import (
+    DOMAINS,
+    OTHER,
+    AttributionRow,
+    Cause,
+    Failure,
+    Goodput,
+    StepWindow,
+    attribution_rows,
+    domain_rows,
+    failures_from_events,
+    goodput_costs,
+    job_start,
+    share_line,
+    step_windows,
+)
+from actors.rundir import RunDir, reward_window
+from supervisor.errors import ErlayError
+from supervisor.events import EventKind, SupervisorEvent
+
+log = logging.getLogger("erlay.report")
+
+REPORT_NAME = "report.md"
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.md")
+CAUSE_COLOURS = {Cause.KILLED: "tab:red", Cause.ERROR: "tab:orange", Cause.HANG: "tab:purple",
+                 Cause.LOST: "tab:brown", Cause.START_ERROR: "tab:blue",
+                 Cause.UNKNOWN: "tab:gray"}
+MAX_FAILURE_ROWS = 50
+
+
+class NotARunDir(ErlayError):
+    """The path given to ``erlay report`` is not an erlay run directory."""
+
+
+# ------------------------------------------------------------------------------- reading
+@dataclass
+class JsonlRead:
+    """The objects of a JSONL file; ``skipped`` lines did not parse, ``torn`` if the last
+    of them was an unterminated last line (a writer died mid-line)."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    torn: bool = False
+
+
+def read_jsonl(path: Path) -> JsonlRead:
+    """Every JSON object line of ``path``, streaming; other lines are counted, not raised."""
+    out = JsonlRead()
+    last_bad = ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, dict):
+                out.records.append(value)
+                last_bad = ""
+            elif line.strip():
+                out.skipped += 1
+                last_bad = line
+    out.torn = bool(last_bad) and not last_bad.endswith("\n")
+    return out
+
+
+def _skip_note(name: str, read: JsonlRead) -> str | None:
+    if not read.skipped:
+        return None
+    if read.torn and read.skipped == 1:
+        return f"{name}: the last line is torn (its writer died mid-line); skipped."
+    return f"{name}: {read.skipped} unreadable line(s) skipped" + (
+        ", the last one torn (its writer died mid-line)." if read.torn else ".")
+
+
+@dataclass
+class RunData:
+    """What a run directory holds, parsed, and ``notes`` on what is missing or damaged."""
+
+    path: Path
+    metrics: list[dict[str, Any]]
+    rl: list[dict[str, Any]]          # phase "rl" records with a numeric time, in file order
+    events: list[SupervisorEvent]
+    gen_latencies: list[float]        # seconds, from "generate" spans
+    status: str | None                # from summary.md; None if there is none
+    detail: str | None
+    planned_steps: int | None
+    recorded_start: float | None      # chaos-report.json started_at
+    notes: list[str] = field(default_factory=list)
+
+
+def check_run_dir(path: Path) -> None:
+    """Raise :class:`NotARunDir` naming what is wrong unless ``path`` is a run directory."""
+    if not path.exists():
+        raise NotARunDir(f"{path} does not exist")
+    if not path.is_dir():
+        raise NotARunDir(f"{path} is not a directory")
+    if any((path / name).is_file() for name in RUN_MARKERS):
+        return
+    runs = sorted(p.name for p in path.iterdir()
+                  if p.is_dir() and any((p / n).is_file() for n in RUN_MARKERS))
+    hint = f"; run directories in it: {', '.join(runs[:3])}" if runs else ""
+    raise NotARunDir(f"{path} is not an erlay run directory (no {', '.join(RUN_MARKERS)})"
+                     f"{hint}")
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _summary_fields(text: str) -> tuple[str | None, str | None]:
+    status = re.search(r"^- status: \*\*(.+?)\*\*", text, re.MULTILINE)
+    detail = re.search(r"^- detail: (.+)$", text, re.MULTILINE)
+    return (status.group(1) if status else None, detail.group(1) if detail else None)
+
+
+def _planned_steps(config: Path) -> int | None:
+    try:
+        steps = (yaml.safe_load(config.read_text(encoding="utf-8")) or {})["run"]["steps"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return steps if isinstance(steps, int) else None
+
+
+def _read_events(run: RunDir, notes: list[str]) -> list[SupervisorEvent]:
+    if not run.events.is_file():
+        notes.append("no events.jsonl: failures, recovery times and goodput cost cannot be "
+                     "attributed.")
+        return []
+    read = read_jsonl(run.events)
+    events, bad = [], 0
+    for record in read.records:
+        try:
+            events.append(SupervisorEvent.from_dict(record))
+        except (KeyError, ValueError, TypeError):
+            bad += 1
+    if note := _skip_note("events.jsonl", read):
+        notes.append(note)
+    if bad:
+        notes.append(f"events.jsonl: {bad} line(s) that are not supervisor events skipped.")
+    return events
+
+
+def _read_latencies(path: Path, notes: list[str]) -> list[float]:
+    files = sorted((path / "telemetry").glob("spans-*.jsonl"))
+    if not files:
+        notes.append("no telemetry/spans-*.jsonl: the generation-latency distribution falls "
+                     "back to the per-step figures of metrics.jsonl.")
+        return []
+    out, skipped = [], 0
+    for spans in files:
+        read = read_jsonl(spans)
+        skipped += read.skipped
+        out += [s["end"] - s["start"] for s in read.records if s.get("name") == "generate"
+                and _is_num(s.get("start")) and _is_num(s.get("end"))
+                and 0 < s["start"] <= s["end"]]  # an unset start is written as 0
+    if skipped:
+        notes.append(f"telemetry: {skipped} unreadable span line(s) skipped.")
+    return out
+
+
+def load_run(path: Path) -> RunData:
+    """Parse the run directory at ``path`` (checked with :func:`check_run_dir`)."""
+    check_run_dir(path)
+    path = path.resolve()
+    run = RunDir(path)
+    notes: list[str] = []
+    metrics: list[dict[str, Any]] = []
+    if not run.metrics.is_file():
+        notes.append("no metrics.jsonl: no reward, throughput or goodput figures.")
+    else:
+        read = read_jsonl(run.metrics)
+        metrics = read.records
+        if note := _skip_note("metrics.jsonl", read):
+            notes.append(note)
+        if not metrics:
+            notes.append("metrics.jsonl holds no records: no reward, throughput or goodput "
+                         "figures.")
+    rl = [m for m in metrics if m.get("phase") == "rl" and _is_num(m.get("time"))]
+    if metrics and not rl:
+        notes.append("metrics.jsonl holds no RL step: the run ended before its first one.")
+    status = detail = None
+    if run.summary.is_file():
+        status, detail = _summary_fields(run.summary.read_text(encoding="utf-8",
+                                                               errors="replace"))
+    else:
+        notes.append("no summary.md: the driver did not finish (it crashed, was killed, or "
+                     "is still running); the report covers what was written before.")
+    recorded = None
+    chaos = path / "chaos-report.json"
+    if chaos.is_file():
+        try:
+            value = json.loads(chaos.read_text(encoding="utf-8")).get("started_at")
+            recorded = float(value) if _is_num(value) else None
+        except (json.JSONDecodeError, AttributeError):
+            notes.append("chaos-report.json is unreadable; ignored.")
+    return RunData(path, metrics, rl, _read_events(run, notes), _read_latencies(path, notes),
+                   status, detail, _planned_steps(run.config), recorded, notes)
+
+
+# ------------------------------------------------------------------------------ analysis
+@dataclass(frozen=True)
+class Analysis:
+    """The run's failures and what they cost, in job-relative time where ``start`` is set."""
+
+    start: float | None
+    start_source: str
+    windows: list[StepWindow]
+    failures: list[Failure]
+    goodput: Goodput
+    rows: list[AttributionRow]
+    domains: list[AttributionRow]
+    escalations: int
+
+    def at(self, unix: float) -> float:
+        """Seconds since the job start (0 when the start is unknown)."""
+        return unix - self.start if self.start is not None else 0.0
+
+
+def analyze(data: RunData) -> Analysis:
+    start, source = job_start(data.metrics, data.events, data.recorded_start)
+    windows = step_windows(data.rl, start)
+    failures = failures_from_events(data.events)
+    goodput = goodput_costs(failures, windows, start)
+    escalations = sum(e.context is EventKind.ESCALATION for e in data.events)
+    return Analysis(start, source, windows, failures, goodput,
+                    attribution_rows(failures, goodput), domain_rows(failures, goodput),
+                    escalations)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation."""
+    import numpy as np
+    return float(np.percentile(values, q))
+
+
+# ------------------------------------------------------------------------------- figures
+def _pyplot() -> Any:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig: Any, dest: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(dest, dpi=110)
+    _pyplot().close(fig)
+
+
+def plot_reward(data: RunData, analysis: Analysis, dest: Path) -> str | None:
+    points = [(m["step"], m["reward_mean"]) for m in data.rl
+              if _is_num(m.get("step")) and _is_num(m.get("reward_mean"))]
+    if not points:
+        return "No RL step recorded a reward_mean: no reward curve."
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(*zip(*points, strict=True), marker="." if len(points) < 60 else None, lw=1.2)
+    hit = {w.step for w in analysis.windows if analysis.start is not None and any(
+        w.start < analysis.at(f.time) <= w.end for f in analysis.failures)}
+    for step in sorted(hit):
+        ax.axvline(step, color="tab:red", ls="--", lw=0.8, alpha=0.6)
+    ax.set(xlabel="RL step", ylabel="mean reward",
+           title="Reward per RL step" + (" (dashed: steps with failures)" if hit else ""))
+    ax.grid(alpha=0.3)
+    _save(fig, dest)
+    return None
+
+
+def _rate(record: dict[str, Any], rate_key: str, count_key: str,
+          window: StepWindow) -> float | None:
+    if _is_num(record.get(rate_key)):
+        return float(record[rate_key])
+    if _is_num(record.get(count_key)) and window.wall_s > 0:
+        return record[count_key] / window.wall_s
+    return None
+
+
+def plot_throughput(data: RunData, analysis: Analysis, dest: Path) -> str | None:
+    if not analysis.windows:
+        return "No RL step recorded: no throughput figure."
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(7, 4.5), sharex=True)
+    pairs = list(zip(data.rl, analysis.windows, strict=True))
+    for ax, (rate, count, label) in zip(axes, (("rollouts_per_s", "samples", "samples/s"),
+                                               ("tokens_per_s", "gen_tokens", "tokens/s")),
+                                        strict=True):
+        points = [(w.end, r) for m, w in pairs if (r := _rate(m, rate, count, w)) is not None]
+        if points:
+            # A rate holds over its step's window, which ends at the point.
+            ax.plot(*zip(*points, strict=True), marker=".", lw=1.2, drawstyle="steps-pre")
+        for failure in analysis.failures:
+            ax.axvline(analysis.at(failure.time), color="tab:red", ls="--", lw=0.8, alpha=0.6)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_title("Throughput per RL step (dashed: failures)")
+    axes[1].set_xlabel("seconds since the job start")
+    _save(fig, dest)
+    return None
+
+
+def plot_restarts(data: RunData, analysis: Analysis, dest: Path) -> str | None:
+    if not analysis.failures:
+        return "No failures in events.jsonl: no restart timeline."
+    rows = list(DOMAINS) + ([OTHER] if any(f.domain == OTHER for f in analysis.failures)
+                            else [])
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.6))
+    if analysis.windows:
+        ax.axvspan(analysis.windows[0].start, analysis.windows[-1].end, color="tab:blue",
+                   alpha=0.07, label="RL steps")
+    for failure in analysis.failures:
+        y, x = rows.index(failure.domain), analysis.at(failure.time)
+        if failure.recovered_at is not None:
+            ax.plot([x, analysis.at(failure.recovered_at)], [y, y], color="0.5", lw=2)
+        else:
+            ax.annotate("not restarted", (x, y), xytext=(4, 5), textcoords="offset points",
+                        fontsize=7)
+    for cause in Cause:
+        points = [(analysis.at(f.time), rows.index(f.domain)) for f in analysis.failures
+                  if f.cause is cause]
+        if points:
+            ax.scatter(*zip(*points, strict=True), color=CAUSE_COLOURS[cause], s=40,
+                       zorder=3, label=cause.value)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    if analysis.start is not None:
+        ax.set_xlim(left=0)
+    ax.set(xlabel="seconds since the job start",
+           title="Failures by domain (grey: until the child started again)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _save(fig, dest)
+    return None
+
+
+LATENCY_KEYS = ("gen_latency_p50_s", "gen_latency_p99_s", "gen_latency_max_s")
+
+
+def latency_text(data: RunData) -> str:
+    """The generation-latency figures in words, naming their source."""
+    values = data.gen_latencies
+    if values:
+        p50, p99 = percentile(values, 50), percentile(values, 99)
+        return (f"{len(values)} generation turns (telemetry spans named `generate`): "
+                f"p50 {1000 * p50:.1f} ms, p99 {1000 * p99:.1f} ms, "
+                f"max {1000 * max(values):.1f} ms.")
+    steps = [m for m in data.rl if any(_is_num(m.get(k)) for k in LATENCY_KEYS)]
+    if steps:
+        def worst(key: str) -> str:
+            got = [m[key] for m in steps if _is_num(m.get(key))]
+            return f"{1000 * max(got):.1f} ms" if got else "n/a"
+        return (f"No telemetry spans; per-step figures from metrics.jsonl ({len(steps)} "
+                f"steps): worst p50 {worst(LATENCY_KEYS[0])}, worst p99 "
+                f"{worst(LATENCY_KEYS[1])}, max {worst(LATENCY_KEYS[2])}.")
+    return ("No generation latency was recorded (no `generate` spans in telemetry/ and no "
+            "gen_latency_* fields in metrics.jsonl).")
+
+
+def plot_gen_latency(data: RunData, analysis: Analysis, dest: Path) -> str | None:
+    values = [1000 * v for v in data.gen_latencies]
+    steps = [m for m in data.rl if any(_is_num(m.get(k)) for k in LATENCY_KEYS)]
+    if not values and not steps:
+        return latency_text(data)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if values:
+        ax.hist(values, bins=min(50, max(10, len(values) // 5)), color="tab:blue", alpha=0.7)
+        for q, colour, label in ((percentile(values, 50), "tab:green", "p50"),
+                                 (percentile(values, 99), "tab:orange", "p99"),
+                                 (max(values), "tab:red", "max")):
+            ax.axvline(q, color=colour, lw=1.5, label=f"{label} {q:.1f} ms")
+        ax.set(xlabel="generation latency per turn (ms)", ylabel="turns",
+               title="Generation tail latency (telemetry spans)")
+    else:
+        for key, label in zip(LATENCY_KEYS, ("p50", "p99", "max"), strict=True):
+            points = [(m["step"], 1000 * m[key]) for m in steps if _is_num(m.get(key))
+                      and _is_num(m.get("step"))]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", label=label)
+        ax.set(xlabel="RL step", ylabel="generation latency (ms)",
+               title="Generation latency per RL step (metrics.jsonl)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    _save(fig, dest)
+    return None
+
+
+FIGURES: tuple[tuple[str, str, str, Callable[[RunData, Analysis, Path], str | None]], ...] = (
+    ("Reward", "reward.png", "reward per RL step", plot_reward),
+    ("Throughput", "throughput.png", "samples/s and tokens/s per RL step", plot_throughput),
+    ("Restart timeline", "restarts.png", "failures by domain over time", plot_restarts),
+    ("Generation latency", "gen_latency.png", "generation latency distribution",
+     plot_gen_latency),
+)
+
+
+# ------------------------------------------------------------------------------ markdown
+def _secs(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f} s"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}%"
+
+
+def _cell(text: str, limit: int = 90) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _overview(data: RunData, a: Analysis) -> list[str]:
+    steps = [m["step"] for m in data.rl if _is_num(m.get("step"))]
+    planned = f" of {data.planned_steps} planned" if data.planned_steps else ""
+    span = f" (steps {min(steps)}–{max(steps)})" if steps else ""
+    status = (f"{data.status} (summary.md)" if data.status else
+              "unknown: no summary.md (crashed, killed or still running)")
+    if data.detail:
+        status += f"; {_cell(data.detail, 120)}"
+    rows = [("status", status), ("RL steps", f"{len(data.rl)}{planned}{span}"),
+            ("RL wall time", f"{a.goodput.rl_wall_s:.1f} s (the sum of the step windows)")]
+    rewards = [float(m["reward_mean"]) for m in data.rl if _is_num(m.get("reward_mean"))]
+    if rewards:
+        first, last = reward_window(rewards)
+        rows.append(("reward", f"{first:.3f} (first 10% of steps) → {last:.3f} (last 10%)"))
+    samples = sum(m["samples"] for m in data.rl if _is_num(m.get("samples")))
+    tokens = sum(m["gen_tokens"] for m in data.rl if _is_num(m.get("gen_tokens")))
+    rows.append(("samples / generated tokens", f"{samples} / {tokens}"))
+    if a.goodput.rl_wall_s > 0:
+        rows.append(("throughput", f"{samples / a.goodput.rl_wall_s:.1f} samples/s, "
+                     f"{tokens / a.goodput.rl_wall_s:.1f} tokens/s over the RL wall time"))
+    restarted = sum(f.recovered_at is not None for f in a.failures)
+    rows.append(("failures", f"{len(a.failures)} ({restarted} restarted, "
+                 f"{len(a.failures) - restarted} not restarted); "
+                 f"{a.escalations} escalation(s)"))
+    cost = sum(a.goodput.costs)
+    rows.append(("goodput cost of failures",
+                 f"{cost:.2f} s ({_pct(100 * cost / a.goodput.rl_wall_s)} of RL wall time)"
+                 if a.goodput.rl_wall_s > 0 else "— (no RL step recorded)"))
+    final = data.rl[-1] if data.rl else {}
+    reported = [f"{k}={final[k]}" for k in ("goodput", "lost_s") if _is_num(final.get(k))]
+    if reported:
+        rows.append(("job-reported (last RL step)", ", ".join(reported)))
+    rows.append(("job start (time zero)", a.start_source))
+    return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+
+
+def _table(rows: list[AttributionRow], a: Analysis, by_cause: bool) -> list[str]:
+    head = "| domain | cause |" if by_cause else "| domain |"
+    lines = [head + " failures | share | mean recovery | not restarted | goodput cost | "
+             "% of RL wall time |", "|---" * (8 if by_cause else 7) + "|"]
+    for r in rows:
+        cause = f" {r.cause.value if r.cause else ''} |" if by_cause else ""
+        lines.append(f"| {r.domain} |{cause} {r.failures} | {r.share_pct:.1f}% | "
+                     f"{_secs(r.mean_recovery_s)} | {r.unrecovered} | {_secs(r.cost_s)} | "
+                     f"{_pct(r.cost_pct)} |")
+    recoveries = [x for f in a.failures if (x := f.recovery_s) is not None]
+    cost = sum(a.goodput.costs)
+    lines.append(f"| **all** |{' |' if by_cause else ''} {len(a.failures)} | 100.0% | "
+                 f"{_secs(sum(recoveries) / len(recoveries) if recoveries else None)} | "
+                 f"{len(a.failures) - len(recoveries)} | {_secs(cost)} | "
+                 f"{_pct(100 * cost / a.goodput.rl_wall_s if a.goodput.rl_wall_s else None)} |")
+    return lines
+
+
+DEFINITIONS = (
+    "A failure is an abnormal exit, a start error or a hang in `events.jsonl` (a hang and "
+    "the kill that answers it count once). Recovery time runs from the failure to the next "
+    "start of the same child; a child not started again before the run ended counts under "
+    "*not restarted* and not in the mean. Goodput cost: an RL step's window is the wall time "
+    "since the previous RL step was recorded (the first step's own `step_s`); a step whose "
+    "window holds failures cost the excess of its window over the median window of the "
+    "failure-free steps ({baseline}), clipped at 0 and split equally among its failures. "
+    "{outside} failure(s) fell outside every RL step window and cost nothing here.")
+
+
+def _attribution(data: RunData, a: Analysis) -> list[str]:
+    if not data.events:
+        return ["No supervisor events were read, so there are no failures to attribute."]
+    if not a.failures:
+        return [f"No failures among the {len(data.events)} supervisor events."]
+    out = [f"**{share_line(a.domains)}** of {len(a.failures)} failure(s).", "",
+           *_table(a.rows, a, by_cause=True), "", "By domain:", "",
+           *_table(a.domains, a, by_cause=False), "",
+           DEFINITIONS.format(baseline=_secs(a.goodput.baseline_s),
+                              outside=a.goodput.outside),
+           "", "### Failures", "",
+           "| # | at (s) | child | cause | recovery | goodput cost | reason |",
+           "|---|---|---|---|---|---|---|"]
+    for i, f in enumerate(a.failures[:MAX_FAILURE_ROWS]):
+        recovery = _secs(f.recovery_s) if f.recovered_at is not None else "not restarted"
+        out.append(f"| {i} | {a.at(f.time):.2f} | `{f.path}` | {f.cause.value} | {recovery} "
+                   f"| {_secs(a.goodput.costs[i])} | {_cell(f.reason)} |")
+    if len(a.failures) > MAX_FAILURE_ROWS:
+        out.append(f"\n({len(a.failures) - MAX_FAILURE_ROWS} more not listed.)")
+    return out
+
+
+def attribution_section(path: Path) -> list[str]:
+    """The failure-attribution section of the run in ``path`` as Markdown lines (for the
+    run's summary.md); a one-line note instead if the run cannot be read."""
+    try:
+        data = load_run(path)
+    except (NotARunDir, OSError) as exc:
+        return [f"Failure attribution unavailable: {exc}"]
+    return ["## Failure attribution", "", *_attribution(data, analyze(data))]
+
+
+def render_markdown(data: RunData, a: Analysis, figures: dict[str, str | None]) -> str:
+    """The report; ``figures`` maps each figure's file name to None (written) or a note."""
+    lines = [f"# Run report: {data.path.name}", "", f"Run directory: `{data.path}`", "",
+             "## Overview", "", *_overview(data, a), ""]
+    if data.notes:
+        lines += ["## Notes on the data", "", *(f"- {n}" for n in data.notes), ""]
+    lines += ["## Failure attribution", "", *_attribution(data, a), ""]
+    for title, name, alt, _ in FIGURES:
+        lines += [f"## {title}", ""]
+        if name == "gen_latency.png":
+            lines += [latency_text(data), ""]
+        note = figures.get(name)
+        if note is None:
+            lines += [f"![{alt}]({name})", ""]
+        elif note not in lines:
+            lines += [note, ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(data: RunData, out: Path) -> Path:
+    """Write ``report.md`` and its figures for ``data`` into ``out``; return the report."""
+    analysis = analyze(data)
+    out.mkdir(parents=True, exist_ok=True)
+    figures: dict[str, str | None] = {}
+    for title, name, _, plot in FIGURES:
+        (out / name).unlink(missing_ok=True)  # never leave a stale figure from an older run
+        try:
+            figures[name] = plot(data, analysis, out / name)
+        except Exception as exc:  # noqa: BLE001 - one bad figure must not cost the report
+            log.warning("report: the %s figure failed: %r", title, exc)
+            figures[name] = f"The {title.lower()} figure could not be drawn: {exc!r}."
+    report = out / REPORT_NAME
+    report.write_text(render_markdown(data, analysis, figures), encoding="utf-8")
+    return report
+
+
+def cli_report(args: argparse.Namespace) -> int:
+    """``erlay report RUN_DIR [--out DIR]``: print the report's path and return 0; print
+    ``erlay: <why>`` on stderr and return 2 if RUN_DIR is not a readable run directory or
+    the report cannot be written."""
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "report"
+    try:
+        data = load_run(run_dir)
+    except NotARunDir as exc:
+        print(f"erlay: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"erlay: cannot read the run directory {run_dir}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = write_report(data, out)
+    except OSError as exc:
+        hint = "" if args.out else " (choose another place with --out)"
+        print(f"erlay: cannot write the report to {out}: {exc}{hint}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
