@@ -5,6 +5,9 @@ Subcommands:
   erlay run --resume RUN_DIR [...]        continue a killed run from its checkpoint and journal
   erlay journal inspect RUN_DIR           rollouts by state; --rollout ID for one's history
   erlay chaos list | run SCENARIO         fault-injection scenarios and their invariants
+  erlay status [--watch | --json]         the live tree of a running job
+  erlay report RUN_DIR                    a Markdown report with plots of a finished or
+                                          crashed run
   erlay demo                              a local supervision tree surviving kills
 
 Every invocation first checks that erlay's packages are erlay's own (see
@@ -58,6 +61,20 @@ def _parser() -> argparse.ArgumentParser:
     chaos_run.add_argument("--out", help="parent directory of the runs (default runs/chaos)")
     chaos_run.add_argument("--no-baselines", action="store_true", help="skip the fault-free "
                            "and job-restart runs (the invariants that need them are skipped)")
+    status = sub.add_parser("status", help="the live tree of a running job (read-only)")
+    status.add_argument("--address", help="Ray cluster of the job (default: RAY_ADDRESS, "
+                        "else the local Ray this machine started last)")
+    status.add_argument("--run", help="the run's name, when several jobs run on the cluster")
+    status.add_argument("--watch", action="store_true", help="refresh in place until the "
+                        "job ends or Ctrl-C")
+    status.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between refreshes with --watch (default 1)")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    report = sub.add_parser("report", help="write a Markdown report with plots of a run "
+                            "(finished or crashed)")
+    report.add_argument("run_dir", help="the run directory")
+    report.add_argument("--out", help="where to write report.md and its plots (default: "
+                        "RUN_DIR/report)")
     demo = sub.add_parser("demo", help="run a local supervision tree that survives kills")
     demo.add_argument("--kills", type=int, default=8, help="faults to inject (default 8)")
     demo.add_argument("--interval", type=float, default=0.5,
@@ -91,6 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _journal(args)
         case "chaos":
             return _chaos(args)
+        case "status":
+            from actors.status import cli_status
+            return cli_status(args)
+        case "report":
+            from actors.report import cli_report
+            return cli_report(args)
         case "demo":
             from supervisor.demo import run_demo
             return run_demo(kills=args.kills, interval_s=args.interval)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -162,6 +163,26 @@ class CheckpointSection(Section):
     keep: int = Field(3, ge=1, description="checkpoints kept on disk")
 
 
+class TelemetrySection(Section):
+    exporter: Literal["file", "console", "otlp", "none"] = Field(
+        "file", description="where spans and metrics go: file (JSONL under RUN_DIR/telemetry/, "
+        "one file per process), console (stdout), otlp (OTLP/HTTP to otlp_endpoint) or none")
+    otlp_endpoint: str | None = Field(None, description="otlp: the collector's base URL, e.g. "
+                                      "http://127.0.0.1:4318 (default: "
+                                      "OTEL_EXPORTER_OTLP_ENDPOINT)")
+    export_interval_s: float = Field(5.0, gt=0, description="how often metrics are exported")
+    ray_metrics: bool = Field(True, description="also publish the key metrics as Ray "
+                              "application metrics (the dashboard, Prometheus)")
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> TelemetrySection:
+        if self.exporter == "otlp" and not (self.otlp_endpoint
+                                            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+            raise ValueError("exporter otlp needs otlp_endpoint (or "
+                             "OTEL_EXPORTER_OTLP_ENDPOINT), e.g. http://127.0.0.1:4318")
+        return self
+
+
 class DomainFlags(Section):
     intensity: int = Field(5, ge=0)
     period: float = Field(30.0, gt=0)
@@ -196,6 +217,7 @@ class JobConfig(Section):
     journal: JournalSection = JournalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     supervision: SupervisionSection = SupervisionSection()
+    telemetry: TelemetrySection = TelemetrySection()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(by_alias=True, mode="json"), sort_keys=False)

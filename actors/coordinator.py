@@ -30,6 +30,7 @@ from actors.learner_core import TrainBatch
 from actors.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
 from actors.tokenizer import CharTokenizer
 from actors.transitions import Transition, TransitionKind, TransitionSink
+from supervisor import telemetry
 from supervisor.progress import Progress
 from supervisor.tree import ChildRef
 
@@ -67,6 +68,17 @@ def tokens_digest(trajectories: list[Trajectory]) -> str:
     return h.hexdigest()
 
 
+def _consume_spans(trajectories: list[Trajectory], step: int, version: int,
+                   started: float) -> None:
+    """A ``consume`` span in each trajectory's rollout trace: trained by ``step``."""
+    if not telemetry.enabled():
+        return
+    for traj in trajectories:
+        if traj.trace:
+            telemetry.start_span("consume", parent=traj.trace, start_time=started, step=step,
+                                 rollout_id=traj.rollout_id, policy_version=version).end()
+
+
 class RolloutCoordinator:
     """Runs warm start, then ``steps`` GRPO steps; reports metrics through ``report``."""
 
@@ -101,7 +113,8 @@ class RolloutCoordinator:
         sampling = SamplingParams(self.cfg.engine.max_new_tokens, self.cfg.engine.temperature,
                                   self.cfg.engine.chunk_tokens, self.cfg.run.seed)
         self.runner = RolloutRunner(self.job.env, self.job.tokenizer, self.engines, self.sandbox,
-                                    self.judge, self.sink, sampling, self.cfg.model.max_seq_len)
+                                    self.judge, self.sink, sampling, self.cfg.model.max_seq_len,
+                                    observer=getattr(self.job, "telemetry", None))
 
     # ------------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -146,6 +159,7 @@ class RolloutCoordinator:
             for rid in batch.rollout_ids:
                 self.sink.record(Transition(TransitionKind.CONSUMED, rid,
                                             {"step": n, "version": weights.version}))
+            _consume_spans(trajectories, n, weights.version, time.time() - train_seconds)
             # Report before checkpointing: a checkpoint may let the journal compact this
             # step's rollouts, and a successor reports unreported steps from the journal.
             if n > self.reported_upto:
@@ -214,10 +228,13 @@ class RolloutCoordinator:
         name; compaction then keeps what a restore to the newest committed checkpoint needs.
         Returns the seconds the learner was blocked."""
         snapshot = None
-        if self.journal is not None:
-            snapshot = self.journal.snapshot().snapshot
-        result = await self._learner_call("save_checkpoint", {
-            "journal_snapshot": snapshot, "base_version": self.base_version})
+        with telemetry.span("checkpoint", root=True) as span:
+            if self.journal is not None:
+                snapshot = self.journal.snapshot().snapshot
+            result = await self._learner_call("save_checkpoint", {
+                "journal_snapshot": snapshot, "base_version": self.base_version})
+            span.set_attribute("erlay.step", int(result["step"]))
+            span.set_attribute("erlay.exposed_s", float(result["exposed_s"]))
         if self.journal is not None and result.get("committed") is not None:
             self.journal.retain_from_step(int(result["committed"]))
         self.report({"phase": "checkpoint", "step": result["step"],
@@ -315,18 +332,24 @@ class RolloutCoordinator:
     async def _train(self, batch: TrainBatch, n: int) -> dict[str, Any]:
         self.progress.begin("train_step")
         try:
-            return dict(await self._learner_call("train_step", batch.to_dict(), n,
-                                                 all_ranks=True))
+            with telemetry.span("train_step", root=True, step=n,
+                                samples=len(batch.rollout_ids)) as span:
+                metrics = dict(await self._learner_call("train_step", batch.to_dict(), n,
+                                                        all_ranks=True))
+                span.set_attribute("erlay.stale_step", bool(metrics.get("stale_step")))
+                return metrics
         finally:
             self.progress.tick()
 
     async def _publish(self) -> Weights:
         assert self.engines is not None
-        version, (ref,) = await self._learner_call("publish")
-        # The learner owns the object it put; re-put it from the driver so engines admitted
-        # after a learner restart can still load it.
-        weights = Weights(version, ray.put(await ref))
-        await self.engines.publish(weights)
+        with telemetry.span("weight_update", root=True) as span:
+            version, (ref,) = await self._learner_call("publish")
+            span.set_attribute("erlay.policy_version", int(version))
+            # The learner owns the object it put; re-put it from the driver so engines
+            # admitted after a learner restart can still load it.
+            weights = Weights(version, ray.put(await ref))
+            await self.engines.publish(weights)
         return weights
 
     # -------------------------------------------------------------------------- metrics

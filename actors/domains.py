@@ -219,9 +219,11 @@ class SandboxClient:
         self.calls = 0
         self._next = itertools.count()
 
-    async def execute(self, key: str, code: str) -> dict[str, Any]:
+    async def execute(self, key: str, code: str,
+                      trace: dict[str, str] | None = None) -> dict[str, Any]:
         """The sandbox result dict for ``code`` (see sandbox.SandboxResult).  After
-        ``max_attempts`` infrastructure failures, a synthetic ``spawn_failed`` result."""
+        ``max_attempts`` infrastructure failures, a synthetic ``spawn_failed`` result.
+        ``trace`` is the caller's trace context, for the host's span."""
         request = {"key": key, "code": code, "stdin": "", "timeout_s": None}
         last = ""
         for _ in range(self.max_attempts):
@@ -234,7 +236,8 @@ class SandboxClient:
             worker = self.workers[(n // len(hosts)) % len(self.workers)]
             try:
                 self.calls += 1
-                return await host.actor.call.remote(worker, "execute", (request,))
+                return await host.actor.call.remote(worker, "execute", (request,),
+                                                    {"trace": trace} if trace else None)
             except (*CHILD_GONE, RayTaskError) as exc:
                 last = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log.warning("tool call %s failed on %s/%s: %s", key, host.path, worker, last)
@@ -262,11 +265,13 @@ class JudgeClient:
         self.failures = 0
         self.calls = 0
         self._next = itertools.count()
-        self._waiting: list[tuple[tuple[str, str, str], asyncio.Future[dict[str, Any]]]] = []
+        self._waiting: list[tuple[tuple[Any, ...], asyncio.Future[dict[str, Any]]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def score(self, key: str, judge_input: str, answer: str) -> dict[str, Any]:
-        """A Judgement dict; ``ok=False`` with the reason once the budget is spent."""
+    async def score(self, key: str, judge_input: str, answer: str,
+                    trace: dict[str, str] | None = None) -> dict[str, Any]:
+        """A Judgement dict; ``ok=False`` with the reason once the budget is spent.
+        ``trace`` is the caller's trace context, for the judge host's span."""
         last = ""
         for _ in range(self.retries + 1):
             if not self.breaker.allow(self.clock()):
@@ -274,7 +279,7 @@ class JudgeClient:
                 await asyncio.sleep(0.1)
                 continue
             try:
-                result = await self._attempt((judge_input, answer, key))
+                result = await self._attempt((judge_input, answer, key, trace))
             except (*CHILD_GONE, RayTaskError) as exc:
                 last = f"{type(exc).__name__}"
                 self.breaker.record_failure(self.clock())
@@ -288,7 +293,7 @@ class JudgeClient:
         return {"reward": 0.0, "ok": False,
                 "reason": f"judge failed after {self.retries + 1} attempt(s): {last}"}
 
-    async def _attempt(self, item: tuple[str, str, str]) -> dict[str, Any]:
+    async def _attempt(self, item: tuple[Any, ...]) -> dict[str, Any]:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         if not self._waiting:
             asyncio.get_running_loop().call_soon(self._flush)
@@ -301,7 +306,7 @@ class JudgeClient:
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, batch: list[tuple[tuple[str, str, str],
+    async def _send(self, batch: list[tuple[tuple[Any, ...],
                                             asyncio.Future[dict[str, Any]]]]) -> None:
         try:
             hosts = await _wait_for_any(self.hosts, 30.0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from supervisor.errors import ErlayError
@@ -106,6 +106,7 @@ class GenerationRequest:
     prefix_ids: tuple[int, ...] = ()  # tokens of THIS completion already generated (resume)
     stop_ids: tuple[int, ...] = (2,)  # EOS by default; also stop on any id listed
     chunk_tokens: int = 8         # emit a chunk at least every this many tokens
+    trace: dict[str, str] | None = field(default=None, compare=False)  # W3C trace context
 
     def __post_init__(self) -> None:
         for name in ("prompt_ids", "prefix_ids", "stop_ids"):

@@ -61,6 +61,7 @@ from actors.engine_api import (
 )
 from actors.engine_core import DecodeBatch, Sequence, validate_request
 from actors.policy import PolicyConfig, PolicyModel, load_numpy_state
+from supervisor import telemetry
 from supervisor.failpoints import afailpoint
 from supervisor.progress import Progress
 from supervisor.reason import ExitKind, ExitReason
@@ -74,6 +75,7 @@ class _Stream:
 
     seq: Sequence
     queue: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
+    span: Any = None   # engine.generate, from admission to the last chunk
 
 
 @dataclass
@@ -250,6 +252,10 @@ class TorchEngine:
             raise InvalidRequest(f"request {request.request_id} is already being generated")
         stream = _Stream(Sequence(request)) if queue is None else \
             _Stream(Sequence(request), queue=queue)
+        if request.trace:
+            stream.span = telemetry.start_span(
+                "engine.generate", parent=request.trace, request_id=request.request_id,
+                prefix_tokens=len(request.prefix_ids), policy_version=self._version)
         self._streams[request.request_id] = stream
         self._counters.requests_submitted += 1
         if stream.seq.finished:  # resumed after its stop token: nothing left to generate
@@ -364,6 +370,10 @@ class TorchEngine:
             return
         stream.queue.put_nowait(chunk)
         if chunk.finished:
+            if stream.span is not None:
+                stream.span.set_attribute("erlay.finish_reason", str(chunk.finish_reason))
+                stream.span.set_attribute("erlay.tokens", seq.generated)
+                stream.span.end()
             del self._streams[seq.request_id]
             if chunk.finish_reason == FinishReason.ABORT:
                 self._counters.requests_aborted += 1

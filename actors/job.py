@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.config import DomainFlags, JobConfig
+from actors.job_telemetry import JobTelemetry
 from actors.journal import FsyncPolicy, Journal
 from actors.rundir import RunDir
 from actors.tokenizer import CharTokenizer
@@ -115,15 +116,25 @@ class Job:
         self.metrics: queue.Queue[dict[str, Any]] = queue.Queue()
         self.restarts = RestartCounter()
         self._jsonl = JsonlSink(run_dir.events)
-        self.events = FanoutSink([self._jsonl, LoggingSink(), self.restarts])
+        self.telemetry = JobTelemetry(cfg.telemetry, run_dir.path, run_dir.path.name)
+        self.events = FanoutSink([self._jsonl, LoggingSink(), self.restarts,
+                                  self.telemetry.event_sink()])
         self.tree: SupervisionTree | None = None
         self.paths: DomainPaths | None = None
         self._t0 = time.time()
+        self.span_exporter: Any = None  # tests: an extra (in-memory) span exporter
+        self.last_metrics: dict[str, Any] | None = None     # for `erlay status`
+        self.last_rl_metrics: dict[str, Any] | None = None
 
     def report_metrics(self, record: dict[str, Any]) -> None:
         """Called by the coordinator: one line in metrics.jsonl, one update of the bar."""
+        # started_at: the wall clock of `time` 0, so reports can place events on steps
         record = {"time": round(time.time() - self._t0, 3), **record,
-                  "restarts": self.restarts.restarts}
+                  "restarts": self.restarts.restarts, "started_at": round(self._t0, 3)}
+        if record.get("phase") == "rl":
+            record.update(self.telemetry.step(record))
+            self.last_rl_metrics = record  # `erlay status` shows its step and reward
+        self.last_metrics = record
         self.run_dir.append_metrics(record)
         self.metrics.put(record)
 
@@ -138,6 +149,10 @@ class Job:
 
         cfg, sup = self.cfg, self.cfg.supervision
         model = self.model_config()
+        env = self.telemetry.actor_env()
+        # Every actor of the job configures its telemetry from ERLAY_TELEMETRY (see
+        # supervisor.telemetry), so its spans join the job's traces.
+        opts: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
         master_port = free_port()
         learners = [ChildSpec(f"learner-{r}", ActorStart(Learner, args=(model,), kwargs=dict(
             lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
@@ -147,13 +162,14 @@ class Job:
             rank=r, world_size=cfg.learner.num_ranks, master_port=master_port,
             temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
             lr_min_ratio=cfg.learner.lr_min_ratio, checkpoint_dir=str(self.run_dir.checkpoints),
-            checkpoint_keep=cfg.checkpoint.keep)),
+            checkpoint_keep=cfg.checkpoint.keep), options=opts),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
         engines = [ChildSpec(f"engine-{i}", ActorStart(TorchEngine, args=(model,), kwargs=dict(
             max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
-            seed=cfg.run.seed)), deadlines={"decode_step": cfg.engine.decode_deadline_s})
+            seed=cfg.run.seed), options=opts),
+            deadlines={"decode_step": cfg.engine.decode_deadline_s})
             for i in range(cfg.engine.num_engines)]
         nodes = sorted(n["NodeID"] for n in alive_nodes())
         pool = SupervisorFlags("simple_one_for_one", intensity=sup.sandbox.intensity,
@@ -165,7 +181,8 @@ class Job:
         # Each worker runs code as its own uid (60000 + slot); hosts that share a machine
         # (simulated nodes) must not share slots.
         sandbox_hosts = [host_spec(f"node-{i}", pool, (sandbox_template,), node_id=node,
-                                   instances=tuple((i * workers + s,) for s in range(workers)))
+                                   instances=tuple((i * workers + s,) for s in range(workers)),
+                                   options=opts)
                          for i, node in enumerate(nodes)]
         judge_pool = SupervisorFlags("simple_one_for_one", intensity=sup.judge.intensity,
                                      period=sup.judge.period)
@@ -174,7 +191,8 @@ class Job:
                                                cfg.judge.timeout_s)),
             deadlines={"judge_call": cfg.judge.timeout_s * 3})
         judge_hosts = [host_spec(f"node-{i}", judge_pool, (judge_template,), node_id=node,
-                                 instances=tuple(() for _ in range(cfg.judge.workers_per_node)))
+                                 instances=tuple(() for _ in range(cfg.judge.workers_per_node)),
+                                 options=opts)
                        for i, node in enumerate(nodes)]
         coordinator = ChildSpec("coordinator", InProcessStart(RolloutCoordinator, args=(self,)),
                                 restart="transient", significant=True, shutdown=30.0)
@@ -227,8 +245,12 @@ class Job:
         ray_info = ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
                               include_dashboard=cfg.ray.include_dashboard)
         started = time.time()
+        self.telemetry.start(self.span_exporter)
         tree = self.build()
+        from actors.status import StatusPublisher
+        status = StatusPublisher.for_job(self, tree)  # `erlay status` reads what it publishes
         try:
+            status.start()  # before the boot, so that a slow boot shows too
             tree.start()
             if on_start is not None:
                 on_start(tree)
@@ -243,14 +265,30 @@ class Job:
             self._close()
             raise
         finally:
+            status.stop()
             if ray_info["started"]:  # a Ray this job started ends with it, agents and all
                 shutdown_ray()
         self._close()
         self.run_dir.plot_rewards()
         self.run_dir.write_summary(result.status, result.wall_s, result.reason)
+        self._append_attribution()
         return result
 
+    def _append_attribution(self) -> None:
+        """The failure-attribution table (by domain and cause, with recovery times and
+        goodput cost) at the end of summary.md; ``erlay report`` has the full report."""
+        from actors.report import attribution_section
+        try:
+            lines = attribution_section(self.run_dir.path)
+        except Exception:  # the summary without the table beats no summary
+            log.warning("summary: the failure attribution failed", exc_info=True)
+            return
+        with self.run_dir.summary.open("a", encoding="utf-8") as f:
+            f.write("\n" + "\n".join(lines) + "\n\nFull report: `erlay report "
+                    f"{self.run_dir.path}`\n")
+
     def _close(self) -> None:
+        self.telemetry.close()
         self._jsonl.close()
         if self.journal is not None:
             self.journal.close()

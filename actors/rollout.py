@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from actors.domains import (
     CHILD_GONE,
@@ -34,6 +34,7 @@ from actors.sampling import rollout_seed
 from actors.tokenizer import EOS, CharTokenizer
 from actors.transitions import Transition, TransitionKind, TransitionSink
 from environments.base import Environment, Episode, tool_output_from_result
+from supervisor import telemetry
 from supervisor.failpoints import afailpoint
 
 log = logging.getLogger("erlay.rollout")
@@ -65,6 +66,7 @@ class Trajectory:
     turns: int = 0
     generated_tokens: int = 0
     resumed: int = 0                                        # turns continued on another engine
+    trace: dict[str, str] | None = None                     # the rollout span's context
 
     @property
     def min_version(self) -> int:
@@ -132,12 +134,37 @@ class RolloutHistory:
         return history
 
 
+def judge_failure_kind(reason: str) -> str:
+    """A judge failure's kind for metrics: timeout, circuit_open, error or undecided."""
+    text = reason.lower()
+    for needle, kind in (("timeout", "timeout"), ("exceeded", "timeout"),
+                         ("circuit open", "circuit_open"), ("error", "error")):
+        if needle in text:
+            return kind
+    return "undecided"
+
+
+class RolloutObserver(Protocol):
+    """What a runner reports as it plays (the job's telemetry hub implements it)."""
+
+    def generation_latency(self, seconds: float, step: int) -> None: ...
+    def sandbox_outcome(self, kind: str) -> None: ...
+    def judge_failure(self, kind: str) -> None: ...
+    def rollout_done(self, tokens: int) -> None: ...
+
+
 class RolloutRunner:
-    """Plays rollouts; shared by every rollout of a job."""
+    """Plays rollouts; shared by every rollout of a job.
+
+    Each rollout is one trace: a ``rollout`` root span with ``dispatch``, ``generate`` (per
+    turn), ``tool_call`` and ``judge`` children; the engine, the sandbox host and the judge
+    host add their own spans under those, from the trace context sent with each request.
+    """
 
     def __init__(self, env: Environment, tokenizer: CharTokenizer, engines: EnginePool,
                  sandbox: SandboxClient, judge: JudgeClient, sink: TransitionSink,
-                 sampling: SamplingParams, max_seq_len: int) -> None:
+                 sampling: SamplingParams, max_seq_len: int,
+                 observer: RolloutObserver | None = None) -> None:
         self.env = env
         self.tok = tokenizer
         self.engines = engines
@@ -146,6 +173,7 @@ class RolloutRunner:
         self.sink = sink
         self.sampling = sampling
         self.max_seq_len = max_seq_len
+        self.observer = observer
         self.generate_seconds = 0.0
         self.batcher = EngineBatcher()
         # (rollout id, first failure, first chunk after it on another engine), per failover
@@ -165,16 +193,31 @@ class RolloutRunner:
         after them, journaled tool results and judgements are reused (never re-run), and
         only transitions the journal lacks are recorded.
         """
-        history = history or RolloutHistory()
+        version = self.engines.weights.version if self.engines.weights else 0
+        with telemetry.span("rollout", root=True, rollout_id=rollout_id, step=step,
+                            group=group, policy_version=version,
+                            replayed=history is not None) as span:
+            traj = await self._play(rollout_id, step, group, episode, episode_index,
+                                    history or RolloutHistory(), version)
+            traj.trace = telemetry.carrier(span)
+            span.set_attribute("erlay.reward", traj.reward)
+            span.set_attribute("erlay.tokens", traj.generated_tokens)
+        if self.observer is not None:
+            self.observer.rollout_done(traj.generated_tokens)
+        return traj
+
+    async def _play(self, rollout_id: str, step: int, group: int, episode: Episode,
+                    episode_index: int, history: RolloutHistory, version: int) -> Trajectory:
         prompt_ids = self.tok.encode(episode.prompt, bos=True)
         traj = Trajectory(rollout_id, step, group, episode_index, prompt_ids)
         seed = rollout_seed(self.sampling.base_seed, rollout_id)
         if not history.dispatched:
-            await afailpoint("rollout.dispatch")
-            self.sink.record(Transition(TransitionKind.DISPATCHED, rollout_id, {
-                "episode": episode.to_dict(), "prompt_ids": prompt_ids, "seed": seed,
-                "version": self.engines.weights.version if self.engines.weights else 0,
-                "step": step, "group": group, "episode_index": episode_index}))
+            with telemetry.span("dispatch", rollout_id=rollout_id, policy_version=version):
+                await afailpoint("rollout.dispatch")
+                self.sink.record(Transition(TransitionKind.DISPATCHED, rollout_id, {
+                    "episode": episode.to_dict(), "prompt_ids": prompt_ids, "seed": seed,
+                    "version": version, "step": step, "group": group,
+                    "episode_index": episode_index}))
         result = None
         for turn in range(self.env.max_turns):
             traj.turns = turn + 1
@@ -188,8 +231,16 @@ class RolloutRunner:
                 tokens, logprobs, versions = (journaled.token_ids, journaled.logprobs,
                                               journaled.versions)
             else:
-                tokens, logprobs, versions = await self._generate(
-                    rollout_id, turn, context, seed, budget, traj, journaled)
+                with telemetry.span("generate", rollout_id=rollout_id, turn=turn,
+                                    journaled_tokens=len(journaled.token_ids)) as span:
+                    started = time.monotonic()
+                    tokens, logprobs, versions = await self._generate(
+                        rollout_id, turn, context, seed, budget, traj, journaled)
+                    latency = time.monotonic() - started
+                    span.set_attribute("erlay.tokens", len(tokens))
+                    span.set_attribute("erlay.policy_version", max(versions, default=-1))
+                if self.observer is not None:
+                    self.observer.generation_latency(latency, step)
             traj.completion_ids += tokens
             traj.logprobs += logprobs
             traj.versions += versions
@@ -234,6 +285,7 @@ class RolloutRunner:
             return tokens, logprobs, versions
         failed_engines: set[tuple[str, int]] = set()
         give_up = time.monotonic() + FAILOVER_BUDGET_S
+        trace = telemetry.carrier()
         while True:
             engine = await self.engines.acquire(exclude=frozenset(failed_engines))
             incarnation = engine.incarnation
@@ -244,7 +296,7 @@ class RolloutRunner:
                 prompt_ids=tuple(context),
                 max_new_tokens=budget - len(tokens), seed=seed + turn,
                 temperature=self.sampling.temperature, prefix_ids=tuple(tokens),
-                chunk_tokens=self.sampling.chunk_tokens)
+                chunk_tokens=self.sampling.chunk_tokens, trace=trace)
             try:
                 async for data in self.batcher.stream(engine, request.to_dict()):
                     chunk = TokenChunk.from_dict(data)
@@ -291,11 +343,15 @@ class RolloutRunner:
         key = f"{rollout_id}/tool{n}"
         result = history.tool_results.get(key)
         if result is None:  # never journaled: run it (again, if only the call was journaled)
-            self.sink.record(Transition(TransitionKind.TOOL_CALL, rollout_id,
-                                        {"key": key, "code": code}))
-            result = await self.sandbox.execute(key, code)
-            self.sink.record(Transition(TransitionKind.TOOL_RESULT, rollout_id,
-                                        {"key": key, "result": result}))
+            with telemetry.span("tool_call", rollout_id=rollout_id, key=key) as span:
+                self.sink.record(Transition(TransitionKind.TOOL_CALL, rollout_id,
+                                            {"key": key, "code": code}))
+                result = await self.sandbox.execute(key, code, trace=telemetry.carrier())
+                self.sink.record(Transition(TransitionKind.TOOL_RESULT, rollout_id,
+                                            {"key": key, "result": result}))
+                span.set_attribute("erlay.outcome", str(result.get("outcome")))
+            if self.observer is not None:
+                self.observer.sandbox_outcome(str(result.get("outcome")))
         else:
             self.tool_results_reused += 1
         text, ok = tool_output_from_result(result)
@@ -316,9 +372,14 @@ class RolloutRunner:
         key = f"{traj.rollout_id}/judge"
         judgement = history.judgements.get(key)
         if judgement is None:
-            judgement = await self.judge.score(key, result.judge_input or "", episode.answer)
-            self.sink.record(Transition(TransitionKind.JUDGED, traj.rollout_id,
-                                        {"key": key, "judgement": judgement}))
+            with telemetry.span("judge", rollout_id=traj.rollout_id, key=key) as span:
+                judgement = await self.judge.score(key, result.judge_input or "",
+                                                   episode.answer, trace=telemetry.carrier())
+                self.sink.record(Transition(TransitionKind.JUDGED, traj.rollout_id,
+                                            {"key": key, "judgement": judgement}))
+                span.set_attribute("erlay.ok", bool(judgement.get("ok", False)))
+            if not judgement.get("ok", False) and self.observer is not None:
+                self.observer.judge_failure(judge_failure_kind(str(judgement.get("reason"))))
         traj.reward = float(judgement.get("reward", 0.0))
         traj.judged_ok = bool(judgement.get("ok", False))
         traj.judge_reason = str(judgement.get("reason", ""))

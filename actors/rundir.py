@@ -6,6 +6,10 @@
         events.jsonl     every supervisor event (starts, exits, restarts, escalations)
         summary.md       status, reward, throughput, restarts by domain
         reward_curve.png the reward per step
+        telemetry/       OpenTelemetry spans (one spans-*.jsonl per process) and the
+                         driver's metrics, with the default file exporter
+        journal/, checkpoints/   the rollout journal and the learner's checkpoints
+        report/          ``erlay report``'s Markdown and plots, when asked for
 """
 
 from __future__ import annotations

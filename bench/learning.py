@@ -6,6 +6,11 @@ Prints a table, then one JSON object as the last line.
 
 Also runs a short tool-use job in the same invocation, so the sandbox path is measured too
 (``tool_use_sandbox_calls``): the arithmetic default makes no tool calls.
+
+``telemetry_overhead`` is samples/s with telemetry off (``telemetry.exporter=none``, no Ray
+metrics) divided by samples/s with the default exporters on (spans and metrics to files,
+Ray metrics), over short jobs run alternately off/on, the median of the pairs.  The jobs use
+the same seeds, so both generate the same tokens (their step digests are compared).
 """
 
 from __future__ import annotations
@@ -52,10 +57,38 @@ def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
     }
 
 
+OVERHEAD_OVERRIDES = ["run.steps=30", "warm_start.steps=60", "learner.lr_decay_steps=0"]
+TELEMETRY_OFF = ["telemetry.exporter=none", "telemetry.ray_metrics=false"]
+
+
+def rl_samples_per_s(run_dir: RunDir) -> float:
+    """Samples per second of RL wall time (the warm start and Ray's start excluded)."""
+    steps = run_dir.rl_steps()
+    return sum(m["samples"] for m in steps) / sum(m["step_s"] for m in steps)
+
+
+def telemetry_overhead(config: Path, parent: Path, pairs: int) -> dict[str, Any]:
+    ratios, same_tokens = [], True
+    for i in range(pairs):
+        _, off = run_job(config, [*OVERHEAD_OVERRIDES, *TELEMETRY_OFF], parent, f"off-{i}")
+        _, on = run_job(config, OVERHEAD_OVERRIDES, parent, f"on-{i}")
+        ratios.append(rl_samples_per_s(off) / rl_samples_per_s(on))
+        same_tokens &= ([m["tokens_digest"] for m in off.rl_steps()]
+                        == [m["tokens_digest"] for m in on.rl_steps()])
+        spans = sum(1 for f in (on.path / "telemetry").glob("spans-*.jsonl")
+                    for _ in f.open())
+    ratios.sort()
+    return {"telemetry_overhead": round(ratios[len(ratios) // 2], 3),
+            "telemetry_overhead_pairs": [round(r, 3) for r in ratios],
+            "telemetry_same_tokens": same_tokens, "telemetry_spans_per_job": spans}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu.yaml"))
     parser.add_argument("--skip-tool-use", action="store_true")
+    parser.add_argument("--overhead-pairs", type=int, default=3,
+                        help="off/on job pairs for telemetry_overhead (0: skip)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     logging.getLogger("erlay").setLevel(logging.ERROR)
@@ -66,7 +99,9 @@ def main() -> None:
         _, tool_dir = run_job(ROOT / "configs" / "tool_use.yaml", ["run.steps=5"], parent,
                               "tool-use")
         out["tool_use_sandbox_calls"] = figures(tool_dir, 1.0)["sandbox_calls"]
-    targets = {"reward_end": ">= 0.9", "wall_s": "<= 600",
+    if args.overhead_pairs > 0:
+        out.update(telemetry_overhead(Path(args.config), parent, args.overhead_pairs))
+    targets = {"reward_end": ">= 0.9", "wall_s": "<= 600", "telemetry_overhead": "<= 1.03",
                "reward_start": f"reward_end - reward_start >= 0.3 "
                                f"(measured {out['reward_end'] - out['reward_start']:.3f})"}
     print(f"run directory: {run_dir.path} ({result.status})")

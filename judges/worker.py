@@ -31,6 +31,7 @@ from typing import Any
 
 from judges.base import JUDGE_TIMEOUT, Judgement, load_judge
 from judges.deadline import run_in_thread
+from supervisor import telemetry
 from supervisor.failpoints import afailpoint
 from supervisor.progress import Progress
 
@@ -65,12 +66,20 @@ class JudgeWorker:
         self._in_flight = 0
         self.counts = {"calls": 0, "cache_hits": 0, "timeouts": 0, "errors": 0}
 
-    async def score(self, judge_input: str, answer: str, key: str) -> dict[str, Any]:
+    async def score(self, judge_input: str, answer: str, key: str,
+                    trace: dict[str, str] | None = None) -> dict[str, Any]:
         """``Judgement.to_dict()`` for ``judge_input`` against ``answer``.
 
         ``key`` is the caller's idempotency key: a decided judgement under the same key and
         the same inputs is returned from the cache.  Never raises for the judge's failures.
+        ``trace``: the caller's trace context; the call is a ``judge.score`` span under it.
         """
+        with telemetry.span("judge.score", parent=trace, key=key) as span:
+            result = await self._score(judge_input, answer, key)
+            span.set_attribute("erlay.ok", bool(result.get("ok", False)))
+            return result
+
+    async def _score(self, judge_input: str, answer: str, key: str) -> dict[str, Any]:
         self.counts["calls"] += 1
         fingerprint = _fingerprint(judge_input, answer)
         cached = self._cache.get(key)
@@ -93,13 +102,14 @@ class JudgeWorker:
                 self._cache.popitem(last=False)
         return judgement.to_dict()
 
-    async def score_many(self, items: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
-        """:meth:`score` for each ``(judge_input, answer, key)``, in order, in one call.
+    async def score_many(self, items: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+        """:meth:`score` for each ``(judge_input, answer, key[, trace])``, in order, in one
+        call.
 
         Callers batch the judgements of concurrent rollouts so one Ray call carries many;
         each item keeps its own timeout, cache entry and never-raise contract.
         """
-        return [await self.score(judge_input, answer, key) for judge_input, answer, key in items]
+        return [await self.score(*item) for item in items]
 
     async def _judge(self, judge_input: str, answer: str, key: str) -> Judgement:
         score_async = getattr(self.judge, "score_async", None)

@@ -39,6 +39,7 @@ from sandbox.isolation import SandboxUnavailable, current_isolation
 from sandbox.limits import SandboxLimits
 from sandbox.results import Outcome, SandboxRequest, SandboxResult
 from sandbox.runner import run_in_sandbox
+from supervisor import telemetry
 from supervisor.failpoints import afailpoint
 from supervisor.progress import Progress
 
@@ -93,8 +94,17 @@ class SandboxWorker:
             return
         log.info("sandbox slot %d: isolation %s, interpreter %s", self.slot, iso.label, python)
 
-    async def execute(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Run ``request`` (a SandboxRequest dict) once per key; the SandboxResult dict."""
+    async def execute(self, request: dict[str, Any],
+                      trace: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run ``request`` (a SandboxRequest dict) once per key; the SandboxResult dict.
+        ``trace``: the caller's trace context; the call is a ``sandbox.run`` span under it."""
+        key = request.get("key") if isinstance(request, dict) else None
+        with telemetry.span("sandbox.run", parent=trace, key=key, slot=self.slot) as span:
+            result = await self._execute(request)
+            span.set_attribute("erlay.outcome", str(result.get("outcome")))
+            return result
+
+    async def _execute(self, request: dict[str, Any]) -> dict[str, Any]:
         req = SandboxRequest.from_dict(request)
         fingerprint = _fingerprint(req)
         cached = self._cache.get(req.key)

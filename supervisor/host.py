@@ -161,18 +161,20 @@ async def _spawn(start: Callable[[StartContext], Awaitable[ChildProcess]],
 def host_spec(node_label: str, flags: SupervisorFlags, children: tuple[ChildSpec, ...],
               *, node_id: str | None = None, env: Mapping[str, str] | None = None,
               instances: tuple[tuple[Any, ...], ...] = (), restart: str = "permanent",
-              shutdown: float | str = "infinity") -> ChildSpec:
+              shutdown: float | str = "infinity",
+              options: Mapping[str, Any] | None = None) -> ChildSpec:
     """The child spec of the host for one node: id ``host@<node>``.
 
     The host is pinned to its node while the node lives; a restart after the node is gone
     places it on a live node (see :class:`~supervisor.actor_child.PreferNode`).
     For a simple_one_for_one host, ``instances`` lists the start args of the instances it
-    starts at every boot.
+    starts at every boot.  ``options`` are added to the host actor's ``.options()`` (e.g. a
+    ``runtime_env`` for the host process itself; ``env`` is for what the host spawns).
     """
-    options: dict[str, Any] = {"num_cpus": 0}
+    opts: dict[str, Any] = {"num_cpus": 0, **(options or {})}
     if node_id is not None:
-        options["scheduling_strategy"] = PreferNode(node_id)
+        opts["scheduling_strategy"] = PreferNode(node_id)
     start = ActorStart(NodeHost, args=(flags, tuple(children), dict(env or {}),
-                                       tuple(tuple(a) for a in instances)), options=options)
+                                       tuple(tuple(a) for a in instances)), options=opts)
     return ChildSpec(host_id(node_label), start, restart=restart, shutdown=shutdown,
                      type="supervisor")

@@ -177,6 +177,8 @@ class Supervisor:
                 "phase": health.phase if health else None,
                 "work": health.work if health else None,
                 "progress_age_s": round(progress_age(health, now), 3) if health else None,
+                # Without deadlines nobody polls its progress: its age means nothing.
+                "watched": bool(self.state.children[info.id].spec.deadlines),
             })
         return rows
 

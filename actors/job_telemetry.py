@@ -1,0 +1,246 @@
+"""The driver's telemetry hub: one object the job and its coordinator report to.
+
+It owns the driver's OpenTelemetry providers (:mod:`supervisor.telemetry`), the metric
+instruments, their mirror as Ray application metrics (:mod:`actors.ray_metrics`, for the
+dashboard and Prometheus) and the supervisor event sink that turns failures, restarts and
+escalations into spans (:class:`supervisor.otel.TracingEventSink`).
+
+Metrics (OpenTelemetry names; the Ray mirror uses ``erlay_*`` names):
+
+- ``erlay.rollouts`` and ``erlay.generated_tokens`` (counters), ``erlay.rollouts_per_s`` and
+  ``erlay.tokens_per_s`` (gauges, per RL step);
+- ``erlay.generation.latency`` (histogram, seconds per generated turn) — and per step the
+  p50, p99 and max in ``metrics.jsonl``;
+- ``erlay.restarts`` by domain and cause; ``erlay.sandbox.outcomes`` by kind;
+  ``erlay.judge.failures`` by kind;
+- ``erlay.time_lost`` (seconds, by domain) and ``erlay.goodput`` (gauge).
+
+Time lost to failures is measured per RL step (:func:`step_time_lost`): a step during which
+a child was restarted lost whatever it took beyond the median of the steps without one.
+Goodput is the share of RL wall time not lost that way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.config import TelemetrySection
+from supervisor import telemetry
+from supervisor.otel import TracingEventSink
+
+log = logging.getLogger("erlay.telemetry")
+
+# A latency histogram that resolves a 5 ms decode step and a 2-minute stuck turn alike.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) by nearest rank (a value that was measured, so a
+    p99 of few samples is a real turn's latency); None for no values."""
+    if not values:
+        return None
+    return float(np.percentile(values, q, method="inverted_cdf"))
+
+
+def _rnd(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def step_time_lost(step_s: float, clean_steps_s: Sequence[float], failed: bool) -> float:
+    """Seconds a step lost to failures: its excess over the median clean step, if a restart
+    happened during it (0 otherwise, and 0 before any clean step was seen)."""
+    if not failed or not clean_steps_s:
+        return 0.0
+    return max(0.0, step_s - statistics.median(clean_steps_s))
+
+
+class JobTelemetry:
+    """See the module docstring.  ``close()`` flushes everything; safe to call twice."""
+
+    def __init__(self, cfg: TelemetrySection, run_dir: Path, run_name: str) -> None:
+        self.cfg = cfg
+        self.settings = telemetry.TelemetrySettings(
+            exporter=cfg.exporter, dir=str(run_dir / "telemetry"), endpoint=cfg.otlp_endpoint,
+            interval_s=cfg.export_interval_s, run=run_name)
+        self.run_name = run_name
+        self._lock = threading.Lock()
+        self._meter_provider: Any = None
+        self._files: list[Any] = []
+        self._instruments: dict[str, Any] = {}
+        self._gauges: dict[str, float] = {}
+        self.ray: Any = None
+        self._restarts_since_step: Counter[str] = Counter()
+        self._clean_steps: list[float] = []
+        self.lost_s = 0.0
+        self.rl_s = 0.0
+        self._latencies: dict[int, list[float]] = {}   # by the step the rollout is for
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, extra_exporter: Any = None) -> None:
+        """Configure the driver's providers (``extra_exporter``: a test's in-memory span
+        exporter) and the Ray metrics mirror."""
+        telemetry.configure(self.settings, "erlay-driver", extra=extra_exporter)
+        if self.cfg.exporter != "none":
+            self._start_metrics()
+        if self.cfg.ray_metrics:
+            try:
+                from actors.ray_metrics import RayMetrics
+                self.ray = RayMetrics(self.run_name)
+            except Exception:  # the dashboard mirror is optional
+                log.warning("Ray metrics are off: they could not be set up", exc_info=True)
+
+    def actor_env(self) -> dict[str, str]:
+        """Environment for the job's actors, so their spans join the job's traces."""
+        return {} if self.cfg.exporter == "none" else self.settings.env()
+
+    def event_sink(self) -> TracingEventSink:
+        return TracingEventSink(telemetry.tracer, on_restart=self._restarted)
+
+    def close(self) -> None:
+        provider, self._meter_provider = self._meter_provider, None
+        if provider is not None:
+            try:
+                provider.shutdown()
+            except Exception:  # a collector that is gone must not fail the job
+                log.warning("telemetry: flushing metrics failed", exc_info=True)
+        for f in self._files:
+            f.close()
+        self._files = []
+        telemetry.shutdown()
+
+    def _start_metrics(self) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+        from opentelemetry.sdk.resources import Resource
+        reader = PeriodicExportingMetricReader(
+            self._metric_exporter(), export_interval_millis=int(self.cfg.export_interval_s * 1e3))
+        view = View(instrument_name="erlay.generation.latency",
+                    aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S))
+        self._meter_provider = MeterProvider(
+            metric_readers=[reader], views=[view], resource=Resource.create(
+                {"service.name": "erlay-driver", "erlay.run": self.run_name}))
+        meter = self._meter_provider.get_meter("erlay")
+        counters = {"rollouts": ("erlay.rollouts", "1"),
+                    "tokens": ("erlay.generated_tokens", "1"),
+                    "restarts": ("erlay.restarts", "1"),
+                    "sandbox": ("erlay.sandbox.outcomes", "1"),
+                    "judge": ("erlay.judge.failures", "1"),
+                    "lost": ("erlay.time_lost", "s")}
+        for key, (name, unit) in counters.items():
+            self._instruments[key] = meter.create_counter(name, unit=unit)
+        self._instruments["latency"] = meter.create_histogram("erlay.generation.latency",
+                                                              unit="s")
+        for name in ("rollouts_per_s", "tokens_per_s", "goodput"):
+            meter.create_observable_gauge(f"erlay.{name}", callbacks=[self._observe(name)])
+
+    def _metric_exporter(self) -> Any:
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+        if self.cfg.exporter == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+                OTLPMetricExporter,
+            )
+            return OTLPMetricExporter(endpoint=telemetry.otlp_url(self.cfg.otlp_endpoint,
+                                                                  "metrics"))
+
+        def line(data: Any) -> str:
+            return data.to_json(indent=None) + "\n"
+        if self.cfg.exporter == "file":
+            out = telemetry.open_telemetry_file(Path(self.settings.dir or "."),
+                                                f"metrics-{os.getpid()}")
+            self._files.append(out)
+            return ConsoleMetricExporter(out=out, formatter=line)
+        return ConsoleMetricExporter(formatter=line)
+
+    def _observe(self, name: str) -> Any:
+        from opentelemetry.metrics import Observation
+
+        def callback(_options: Any) -> list[Observation]:
+            value = self._gauges.get(name)
+            return [] if value is None else [Observation(value)]
+        return callback
+
+    # ------------------------------------------------------------------ recording
+    def _add(self, key: str, amount: float, **attrs: str) -> None:
+        instrument = self._instruments.get(key)
+        if instrument is not None:
+            instrument.add(amount, attributes=attrs or None)
+
+    def _ray(self, method: str, *args: Any) -> None:
+        if self.ray is not None:
+            try:
+                getattr(self.ray, method)(*args)
+            except Exception:  # never into the job; logged once per kind
+                log.debug("ray metric %s failed", method, exc_info=True)
+
+    def _restarted(self, domain: str, cause: str) -> None:
+        with self._lock:
+            self._restarts_since_step[domain] += 1
+        self._add("restarts", 1, domain=domain, cause=cause)
+        self._ray("restart", domain, cause)
+
+    def generation_latency(self, seconds: float, step: int) -> None:
+        """One generated turn of a rollout for RL step ``step``."""
+        with self._lock:
+            self._latencies.setdefault(step, []).append(seconds)
+        instrument = self._instruments.get("latency")
+        if instrument is not None:
+            instrument.record(seconds)
+        self._ray("generation_latency", seconds)
+
+    def rollout_done(self, tokens: int) -> None:
+        self._add("rollouts", 1)
+        self._add("tokens", tokens)
+        self._ray("rollouts", 1)
+        self._ray("tokens", tokens)
+
+    def sandbox_outcome(self, kind: str) -> None:
+        self._add("sandbox", 1, kind=kind)
+        self._ray("sandbox_outcome", kind)
+
+    def judge_failure(self, kind: str) -> None:
+        self._add("judge", 1, kind=kind)
+        self._ray("judge_failure", kind)
+
+    def step(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Account one RL step's metrics record; returns the fields to add to it: generation
+        latency p50/p99/max, rollouts/s, tokens/s, seconds lost to failures, goodput."""
+        step_s = float(record.get("step_s") or 0.0)
+        with self._lock:
+            latencies = self._latencies.pop(int(record.get("step", -1)), [])
+            for old in [s for s in self._latencies if s < int(record.get("step", -1))]:
+                del self._latencies[old]  # steps fed again after a rewind
+            failed = dict(self._restarts_since_step)
+            self._restarts_since_step.clear()
+        lost = step_time_lost(step_s, self._clean_steps, bool(failed))
+        if not failed:
+            self._clean_steps.append(step_s)
+            del self._clean_steps[:-50]  # a moving baseline: the job's speed drifts
+        self.lost_s += lost
+        self.rl_s += step_s
+        goodput = 1.0 - self.lost_s / self.rl_s if self.rl_s > 0 else 1.0
+        rollouts_s = record.get("samples", 0) / step_s if step_s > 0 else 0.0
+        tokens_s = record.get("gen_tokens", 0) / step_s if step_s > 0 else 0.0
+        self._gauges.update(rollouts_per_s=rollouts_s, tokens_per_s=tokens_s, goodput=goodput)
+        total = sum(failed.values())
+        for domain, count in failed.items():
+            share = lost * count / total
+            self._add("lost", share, domain=domain)
+            self._ray("time_lost", share, domain)
+        self._ray("goodput", goodput)
+        self._ray("rollouts_per_s", rollouts_s)
+        self._ray("tokens_per_s", tokens_s)
+        return {"gen_latency_p50_s": _rnd(percentile(latencies, 50)),
+                "gen_latency_p99_s": _rnd(percentile(latencies, 99)),
+                "gen_latency_max_s": _rnd(max(latencies, default=None)),
+                "rollouts_per_s": round(rollouts_s, 3), "tokens_per_s": round(tokens_s, 1),
+                "lost_s": round(lost, 4), "goodput": round(goodput, 4)}

@@ -1,0 +1,258 @@
+"""OpenTelemetry in every process of a job: providers, exporters, trace propagation.
+
+The driver calls :func:`configure` with the job's :class:`TelemetrySettings`; every other
+process of the job (engines, the learner, sandbox and judge hosts) configures itself lazily,
+the first time it asks for :func:`tracer`, from the ``ERLAY_TELEMETRY`` environment variable
+the job sets on its actors (:meth:`TelemetrySettings.env`).  So no component takes telemetry
+arguments, and a process that never traces pays nothing.
+
+Exporters: ``file`` (the default) writes one JSON object per finished span to
+``RUN_DIR/telemetry/spans-<service>-<pid>.jsonl`` (one file per process: appends from many
+processes never interleave) and the driver's metrics to ``metrics-<pid>.jsonl``; ``console``
+prints the same to stdout; ``otlp`` sends both over OTLP/HTTP to a collector; ``none`` keeps
+the API as no-ops.  Spans are batched and written about every half second; a process killed
+by SIGKILL loses the spans of its last half second, never the job's other data.
+
+Trace context crosses process boundaries explicitly, as a W3C ``traceparent`` carrier dict
+that travels inside the request (:func:`carrier` on the caller, ``parent=`` on the callee),
+so a rollout's spans in the coordinator, the engine, the sandbox host and the judge host form
+one trace.  The providers are this module's own, not OpenTelemetry's process-global ones, so
+one test process can run several jobs one after the other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+
+log = logging.getLogger("erlay.telemetry")
+
+ENV_VAR = "ERLAY_TELEMETRY"
+Exporter = Literal["file", "console", "otlp", "none"]
+Carrier = dict[str, str]
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """What a process of the job needs to export: the exporter and where it writes."""
+
+    exporter: Exporter = "file"
+    dir: str | None = None          # file: RUN_DIR/telemetry
+    endpoint: str | None = None     # otlp: the collector's base URL
+    interval_s: float = 5.0         # metrics export period
+    run: str = ""                   # the run's name, a resource attribute of every span
+
+    def env(self) -> dict[str, str]:
+        """The environment variable that makes a child process configure itself alike."""
+        return {ENV_VAR: json.dumps(asdict(self))}
+
+    @staticmethod
+    def from_env(environ: Mapping[str, str] = os.environ) -> TelemetrySettings | None:
+        raw = environ.get(ENV_VAR)
+        if not raw:
+            return None
+        try:
+            return TelemetrySettings(**json.loads(raw))
+        except (TypeError, ValueError) as exc:
+            log.warning("ignoring a malformed %s (%s); telemetry is off here", ENV_VAR, exc)
+            return None
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    """The compact JSON shape of one finished span in the file exporter's files."""
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}" if ctx else None,
+        "span_id": f"{ctx.span_id:016x}" if ctx else None,
+        "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
+        "start": (span.start_time or 0) / 1e9,
+        "end": (span.end_time or 0) / 1e9,
+        "attributes": dict(span.attributes or {}),
+        "links": [{"trace_id": f"{link.context.trace_id:032x}",
+                   "span_id": f"{link.context.span_id:016x}"} for link in span.links],
+        "status": span.status.status_code.name,
+        "pid": os.getpid(),
+        "service": str(span.resource.attributes.get("service.name", "")),
+    }
+
+
+def _line(span: ReadableSpan) -> str:
+    return json.dumps(span_record(span), default=str) + "\n"
+
+
+class _State:
+    """This process's providers (guarded by ``lock``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.provider: TracerProvider | None = None
+        self.tracer: trace.Tracer = trace.NoOpTracer()
+        self.settings: TelemetrySettings | None = None
+        self.files: list[Any] = []
+        self.tried_env = False
+
+
+_state = _State()
+
+
+def configure(settings: TelemetrySettings, service: str,
+              extra: SpanExporter | None = None) -> None:
+    """Set up this process's tracer provider (replacing an earlier one of this module's).
+
+    ``extra`` is one more exporter, called synchronously as each span ends (tests pass an
+    ``InMemorySpanExporter``).  ``exporter: none`` without ``extra`` leaves tracing off.
+    """
+    with _state.lock:
+        _shutdown_locked()
+        _state.settings = settings
+        _state.tried_env = True
+        if settings.exporter == "none" and extra is None:
+            return
+        resource = Resource.create({"service.name": service, "erlay.run": settings.run,
+                                    "process.pid": os.getpid()})
+        provider = TracerProvider(resource=resource)
+        exporter = _span_exporter(settings, service)
+        if exporter is not None:
+            provider.add_span_processor(BatchSpanProcessor(
+                exporter, schedule_delay_millis=500, max_export_batch_size=512))
+        if extra is not None:
+            provider.add_span_processor(SimpleSpanProcessor(extra))
+        _state.provider = provider
+        _state.tracer = provider.get_tracer("erlay")
+
+
+def _span_exporter(settings: TelemetrySettings, service: str) -> SpanExporter | None:
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+    match settings.exporter:
+        case "file":
+            assert settings.dir, "the file exporter needs a directory"
+            out = open_telemetry_file(Path(settings.dir), f"spans-{service}-{os.getpid()}")
+            _state.files.append(out)
+            return ConsoleSpanExporter(out=out, formatter=_line)
+        case "console":
+            return ConsoleSpanExporter(formatter=_line)
+        case "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            return OTLPSpanExporter(endpoint=otlp_url(settings.endpoint, "traces"))
+    return None
+
+
+def open_telemetry_file(directory: Path, stem: str) -> Any:
+    """A line-buffered append-mode file ``directory/stem.jsonl`` (created as needed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return open(directory / f"{stem}.jsonl", "a", encoding="utf-8",  # held open
+                buffering=1)
+
+
+def otlp_url(endpoint: str | None, signal: str) -> str:
+    """``http://host:4318`` + ``/v1/<signal>``; the OTLP environment variable by default."""
+    base = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    return f"{base.rstrip('/')}/v1/{signal}"
+
+
+def tracer() -> trace.Tracer:
+    """This process's tracer; the first call in a job's child process configures it from
+    ``ERLAY_TELEMETRY``.  A no-op tracer where telemetry is off."""
+    if not _state.tried_env:
+        with _state.lock:
+            settings = None if _state.tried_env else TelemetrySettings.from_env()
+            _state.tried_env = True
+        if settings is not None:
+            configure(settings, _service_name())
+            atexit.register(shutdown)
+    return _state.tracer
+
+
+def _service_name() -> str:
+    try:
+        import ray
+        name = ray.get_runtime_context().get_actor_name()
+        if name:
+            return name.replace("/", ".").replace("@", "-")
+    except Exception:  # noqa: BLE001 - not in a Ray worker: a plain process
+        pass
+    return "process"
+
+
+def shutdown() -> None:
+    """Flush and close this process's exporters; tracing is off until configured again."""
+    with _state.lock:
+        _shutdown_locked()
+
+
+def _shutdown_locked() -> None:
+    if _state.provider is not None:
+        try:
+            _state.provider.shutdown()
+        except Exception:  # a collector that is gone must not fail the job
+            log.warning("telemetry: flushing spans failed", exc_info=True)
+    for f in _state.files:
+        f.close()
+    _state.files = []
+    _state.provider = None
+    _state.tracer = trace.NoOpTracer()
+
+
+def enabled() -> bool:
+    return _state.provider is not None
+
+
+# ---------------------------------------------------------------------- propagation
+def carrier(span: trace.Span | None = None) -> Carrier | None:
+    """The W3C trace context of ``span`` (default: the current span) as a dict to send
+    along with a request; None when there is nothing to propagate (tracing off)."""
+    if span is None:
+        span = trace.get_current_span()
+    if not span.get_span_context().is_valid:
+        return None
+    out: Carrier = {}
+    inject(out, context=trace.set_span_in_context(span))
+    return out
+
+
+def parent_context(trace_carrier: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The context a callee starts its span under, from the caller's :func:`carrier`."""
+    return extract(dict(trace_carrier)) if trace_carrier else None
+
+
+@contextmanager
+def span(name: str, parent: Mapping[str, str] | None = None, *, root: bool = False,
+         **attributes: Any) -> Iterator[trace.Span]:
+    """A span around a block: a child of ``parent`` (a carrier from another process) if
+    given, the root of a new trace if ``root``, else a child of the current span.
+    Attribute names get the ``erlay.`` prefix; None values are left out.  An exception
+    marks the span as an error and propagates."""
+    attrs = {f"erlay.{k}": v for k, v in attributes.items() if v is not None}
+    ctx = otel_context.Context() if root else parent_context(parent)
+    with tracer().start_as_current_span(name, context=ctx, attributes=attrs) as current:
+        yield current
+
+
+def start_span(name: str, parent: Mapping[str, str] | None = None,
+               start_time: float | None = None, **attributes: Any) -> trace.Span:
+    """A span that is not made current, for work that ends elsewhere (an engine request
+    ends in the decode loop); the caller must ``end()`` it."""
+    attrs = {f"erlay.{k}": v for k, v in attributes.items() if v is not None}
+    return tracer().start_span(name, context=parent_context(parent), attributes=attrs,
+                               start_time=None if start_time is None else int(start_time * 1e9))

@@ -1,0 +1,327 @@
+"""``erlay status``: rendering from hand-made snapshots, the endpoint's contracts on a real
+local Ray, and the real CLI watching a real job whose engine is SIGKILLed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from actors.status import (
+    PREFIX,
+    StatusPublisher,
+    choose_endpoint,
+    cli_status,
+    endpoint_name,
+    find_endpoints,
+    flatten,
+    format_age,
+    read_endpoint,
+    render_json,
+    render_text,
+    status_view,
+)
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = "erlay/generation/engine-0"
+
+
+def row(cid: str, path: str, **kw: Any) -> dict[str, Any]:
+    base = {"id": cid, "path": path, "status": "running", "type": "worker", "incarnation": 1,
+            "restarts": 0, "last_exit": None, "info": {}, "phase": None, "work": None,
+            "progress_age_s": None}
+    return {**base, **kw}
+
+
+def snapshot() -> dict[str, Any]:
+    engines = [
+        row("engine-0", ENGINE, incarnation=2, restarts=1, info={"pid": 4242},
+            last_exit="error: actor process died (SYSTEM_ERROR)", phase="decode_step",
+            work="r3-1", progress_age_s=0.25),
+        row("engine-1", "erlay/generation/engine-1", info={"pid": 4343}, progress_age_s=75.0),
+    ]
+    learners = [row("learner-0", "erlay/learner/learner-0", incarnation=2, restarts=1,
+                    last_exit="shutdown", info={"pid": 4141}, progress_age_s=1.0)]
+    hosted = [row("sandbox-1", "erlay/sandbox/host@node-0/sandbox-1", info={"pid": 4545},
+                  phase="tool_call", work="r2-0", progress_age_s=0.5)]
+    return {"path": "erlay", "strategy": "one_for_one", "intensity": 3, "period": 60,
+            "status": "running", "children": [
+                row("learner", "erlay/learner", type="supervisor", strategy="one_for_all",
+                    info={"kind": "supervisor"}, children=learners),
+                row("generation", "erlay/generation", type="supervisor",
+                    strategy="one_for_one", children=engines),
+                row("sandbox", "erlay/sandbox", type="supervisor", strategy="one_for_one",
+                    children=[row("host@node-0", "erlay/sandbox/host@node-0",
+                                  type="supervisor", info={"pid": 4444},
+                                  progress_age_s=30.0, children=hosted)]),
+                row("rollout", "erlay/rollout", type="supervisor", strategy="rest_for_one",
+                    children=[row("coordinator", "erlay/rollout/coordinator", watched=False,
+                                  info={"pid": 99}, progress_age_s=40.0)]),
+            ]}
+
+
+def doc(**job: Any) -> dict[str, Any]:
+    summary = {"phase": "rl", "step": 11, "steps": 100, "reward": 0.4129, "restarts": 2,
+               "uptime_s": 40.0, "driver": {"pid": 99, "host": "box"}, **job}
+    return {"schema": 1, "interval_s": 1.0, "job": summary, "tree": snapshot(),
+            "run": {"id": "arithmetic-20250101-120000", "name": "arithmetic",
+                    "dir": "runs/arithmetic-20250101-120000"}}
+
+
+def view(age_s: float = 0.4, **job: Any) -> dict[str, Any]:
+    return status_view({"doc": doc(**job), "age_s": age_s}, address="127.0.0.1:6379",
+                       endpoint=endpoint_name("arithmetic-20250101-120000"))
+
+
+def line_of(text: str, cid: str) -> str:
+    return next(line for line in text.splitlines() if f"─ {cid}" in line)
+
+
+def cells(text: str, cid: str) -> list[str]:
+    """The row of ``cid`` after the tree column, one string per column."""
+    start = next(line for line in text.splitlines() if line.startswith("CHILD")).index("STATE")
+    return re.split(r"\s{2,}", line_of(text, cid)[start:].strip())
+
+
+# ------------------------------------------------------------------------ rendering
+
+def test_text_shows_each_child_with_state_incarnation_restarts_work_and_failure() -> None:
+    text = render_text(view())
+    assert cells(text, "engine-0") == ["running", "2", "1", "4242", "0.2s", "decode_step r3-1",
+                                       "error: actor process died (SYSTEM_ERROR)"]
+    assert cells(text, "engine-1") == ["running", "1", "0", "4343", "1m15s", "idle", "-"]
+
+
+def test_text_draws_the_tree_with_supervisors_and_hosted_children() -> None:
+    lines = render_text(view()).splitlines()
+    table = lines[lines.index("") + 1:]
+    assert table[0].split()[:3] == ["CHILD", "STATE", "INC"]
+    assert table[1].startswith("erlay [one_for_one]")
+    width = table[0].index("STATE")
+    names = [line[:width].rstrip() for line in table[2:]]
+    assert names == ["├─ learner [one_for_all]", "│  └─ learner-0",
+                     "├─ generation [one_for_one]", "│  ├─ engine-0", "│  └─ engine-1",
+                     "├─ sandbox [one_for_one]", "│  └─ host@node-0", "│     └─ sandbox-1",
+                     "└─ rollout [rest_for_one]", "   └─ coordinator"]
+
+
+def test_progress_is_shown_only_for_children_the_supervisor_watches() -> None:
+    text = render_text(view())
+    assert cells(text, "sandbox-1")[4:6] == ["0.5s", "tool_call r2-0"]
+    assert cells(text, "host@node-0")[3:6] == ["4444", "-", "-"]  # a supervisor: no progress
+    assert cells(text, "coordinator")[3:6] == ["99", "-", "-"]  # no deadlines: never polled
+
+
+def test_a_restart_caused_by_a_sibling_is_not_shown_as_a_failure() -> None:
+    text = render_text(view())
+    assert cells(text, "learner-0")[1:3] == ["2", "1"] and cells(text, "learner-0")[-1] == "-"
+
+
+def test_header_shows_run_step_reward_restarts_uptime_and_snapshot_age() -> None:
+    header = render_text(view(age_s=0.4)).splitlines()[:3]
+    assert header[0] == "run arithmetic-20250101-120000  (runs/arithmetic-20250101-120000)"
+    assert header[1].split("   ") == ["step 12/100", "last reward 0.413", "restarts 2",
+                                      "uptime 40s", "snapshot 0.4s old"]
+    assert "driver pid 99 on box" in header[2] and "127.0.0.1:6379" in header[2]
+
+
+def test_header_names_the_warm_start_before_the_first_rl_step() -> None:
+    header = render_text(view(phase="warm_start", step=None, reward=None)).splitlines()[1]
+    assert header.startswith("step 0/100 (warm start)   last reward -")
+
+
+def test_a_snapshot_older_than_a_few_intervals_is_marked_stale() -> None:
+    assert not view(age_s=2.0)["stale"]
+    stale = view(age_s=12.0)
+    assert stale["stale"] and "STALE" in render_text(stale).splitlines()[1]
+
+
+def test_lines_are_cut_to_the_terminal_width() -> None:
+    lines = render_text(view(), width=50).splitlines()
+    assert max(len(line) for line in lines) == 50
+    assert line_of("\n".join(lines), "engine-0").endswith("…")
+
+
+def test_json_lists_every_child_by_path_and_advances_uptime_by_the_age() -> None:
+    out = json.loads(render_json(view(age_s=3.0)))
+    by_path = {c["path"]: c for c in out["children"]}
+    assert set(by_path) == {"erlay/learner", "erlay/learner/learner-0", "erlay/generation",
+                            ENGINE, "erlay/generation/engine-1", "erlay/sandbox",
+                            "erlay/sandbox/host@node-0", "erlay/sandbox/host@node-0/sandbox-1",
+                            "erlay/rollout", "erlay/rollout/coordinator"}
+    assert by_path[ENGINE]["restarts"] == 1 and by_path[ENGINE]["incarnation"] == 2
+    assert "children" not in by_path["erlay/generation"]
+    assert out["tree"]["children"][1]["children"][0]["id"] == "engine-0"
+    assert out["job"]["uptime_s"] == 43.0 and out["snapshot_age_s"] == 3.0
+    assert out["run"]["id"] == "arithmetic-20250101-120000" and out["stale"] is False
+
+
+def test_ages_read_as_seconds_minutes_and_hours() -> None:
+    assert [format_age(s) for s in (None, 0.04, 12.4, 185, 7620)] == \
+        ["-", "0.0s", "12s", "3m05s", "2h07m"]
+
+
+# ------------------------------------------------------------------ choosing a job
+
+def test_no_endpoint_means_no_running_job() -> None:
+    choice = choose_endpoint([], None, "auto")
+    assert (choice.name, choice.exit_code) == (None, 1)
+    assert choice.message == "erlay: no running erlay job found at auto"
+
+
+def test_the_only_job_is_chosen_without_run() -> None:
+    assert choose_endpoint([PREFIX + "a-1"], None, "x").name == PREFIX + "a-1"
+
+
+def test_several_jobs_are_listed_and_run_is_asked_for() -> None:
+    choice = choose_endpoint([PREFIX + "a-1", PREFIX + "b-2"], None, "x")
+    assert choice.exit_code == 2 and "--run NAME" in choice.message
+    assert choice.message.splitlines()[1:] == ["  a-1", "  b-2"]
+
+
+def test_run_picks_by_exact_id_then_by_unique_prefix() -> None:
+    names = [PREFIX + "arith-1", PREFIX + "arith-10", PREFIX + "tools-1"]
+    assert choose_endpoint(names, "arith-1", "x").name == PREFIX + "arith-1"
+    assert choose_endpoint(names, "tools", "x").name == PREFIX + "tools-1"
+    assert choose_endpoint(names, "arith", "x").exit_code == 2
+    missing = choose_endpoint(names, "nope", "x")
+    assert missing.exit_code == 1 and "no running erlay job named 'nope'" in missing.message
+
+
+def status_args(address: str, **kw: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{"address": address, "run": None, "watch": False,
+                                 "interval": 1.0, "json": False, **kw})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_no_cluster_at_the_address_exits_1_with_the_message(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    assert cli_status(status_args(address)) == 1
+    assert f"erlay: no running erlay job found at {address}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- the endpoint on Ray
+
+@pytest.mark.ray
+def test_endpoint_serves_the_last_snapshot_and_leaves_with_its_publisher(
+        fresh_ray: None, capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    from supervisor.raylocal import ensure_ray
+    address = ensure_ray(num_cpus=2, include_dashboard=False)["address"]
+    calls: list[int] = []
+
+    def collect() -> dict[str, Any]:
+        calls.append(len(calls))
+        if len(calls) > 3:
+            raise RuntimeError("the tree is restarting")  # skipped, never raised
+        return doc(step=len(calls) - 1)
+
+    publisher = StatusPublisher(endpoint_name("run-a"), collect, interval_s=0.05)
+    twin = StatusPublisher(endpoint_name("run-a"), lambda: doc(), interval_s=0.05)
+    try:
+        publisher.start()
+        twin.start()  # same run id elsewhere: its endpoint gets a distinct name
+        assert twin.name == endpoint_name("run-a") + "#2"
+        wait_for(lambda: len(calls) >= 6, timeout=20, what="failing ticks after three good")
+        assert publisher.published == 3
+        read = cast(dict[str, Any], wait_for(lambda: read_endpoint(publisher.name),
+                                             what="a snapshot"))
+        assert read["doc"]["job"]["step"] == 2  # the last good one, aging
+        assert find_endpoints() == [endpoint_name("run-a"), endpoint_name("run-a") + "#2"]
+        assert cli_status(status_args(address, run="run-a#2")) == 0
+        assert "erlay [one_for_one]" in capsys.readouterr().out
+    finally:
+        publisher.stop()
+        twin.stop()
+    wait_for(lambda: find_endpoints() == [], what="the endpoints gone")
+    assert cli_status(status_args(address)) == 1
+    assert f"erlay: no running erlay job found at {address}" in capsys.readouterr().err
+    ray.shutdown()
+
+
+# ------------------------------------------------------- a real job, the real CLI
+
+def erlay_status(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, "-m", "actors.cli", "status", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def live_row(name: str) -> dict[str, Any] | None:
+    """The engine's row as published (read in-process through the endpoint), once the tree
+    has booted."""
+    read = read_endpoint(name)
+    if read is None or read["doc"]["tree"]["status"] != "running":
+        return None
+    return {c["path"]: c for c in flatten(read["doc"]["tree"])}[ENGINE]
+
+
+def cli_row(address: str) -> dict[str, Any]:
+    """The engine's row as ``erlay status --json`` prints it."""
+    out = erlay_status("--json", "--address", address)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return {c["path"]: c for c in json.loads(out.stdout)["children"]}[ENGINE]
+
+
+@pytest.mark.ray
+def test_cli_shows_a_sigkilled_engine_restarted_in_the_live_tree(tmp_path: Path,
+                                                                 fresh_ray: None) -> None:
+    import ray
+
+    from actors.config import load_config
+    from actors.job import Job, JobResult
+    from actors.rundir import RunDir
+    cfg = load_config(ROOT / "configs" / "cpu.yaml", [
+        "run.steps=100000", "warm_start.steps=2", "rollout.prompts_per_step=2",
+        "rollout.group_size=2", "engine.num_engines=2", "ray.num_cpus=4",
+        "checkpoint.every_steps=100000", f"run.run_dir={tmp_path}"])
+    job = Job(cfg, RunDir.create(tmp_path, "status"))
+    results: list[JobResult] = []
+    runner = threading.Thread(target=lambda: results.append(job.run(progress=False)))
+    runner.start()
+    try:
+        # Generous deadlines: the job boots a Ray and a dozen processes on two shared cores.
+        wait_for(lambda: job.tree is not None and job.tree.alive, timeout=120,
+                 what="the job's tree")
+        address = ray.get_runtime_context().gcs_address
+        name = endpoint_name(job.run_dir.path.name)
+        before = cast(dict[str, Any], wait_for(lambda: live_row(name), timeout=120,
+                                               what="the booted tree published"))
+        assert before["incarnation"] == 1 and before["restarts"] == 0
+        os.kill(int(before["info"]["pid"]), signal.SIGKILL)
+        wait_for(lambda: (row := live_row(name)) and row["incarnation"] >= 2
+                 and row["status"] == "running", timeout=90, interval=0.2,
+                 what="the restarted engine published")
+        after = cli_row(address)  # what a user on this machine sees
+        assert after["restarts"] >= 1 and after["incarnation"] >= 2, after
+        assert after["status"] == "running" and after["last_exit"].startswith("error")
+        assert after["info"]["pid"] != before["info"]["pid"]
+        text = erlay_status("--address", address)
+        assert text.returncode == 0, text.stderr
+        for node in ("erlay [one_for_one]", "generation [one_for_one]", "engine-0",
+                     "engine-1", "learner-0", "rollout [rest_for_one]", "coordinator"):
+            assert node in text.stdout, (node, text.stdout)
+        assert f"run {job.run_dir.path.name}" in text.stdout
+    finally:
+        if job.tree is not None and job.tree.alive:  # end the job as its last step would
+            job.tree.run(job.tree.root.shutdown, timeout=120)  # type: ignore[union-attr]
+        runner.join(timeout=120)
+    assert results and results[0].status == "finished", results
