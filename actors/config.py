@@ -171,6 +171,9 @@ class TelemetrySection(Section):
                                       "http://127.0.0.1:4318 (default: "
                                       "OTEL_EXPORTER_OTLP_ENDPOINT)")
     export_interval_s: float = Field(5.0, gt=0, description="how often metrics are exported")
+    rollout_sample_ratio: float = Field(
+        0.02, ge=0, le=1, description="share of rollouts traced end to end (by a stable hash "
+        "of the rollout id); steps, checkpoints and restarts are always traced")
     ray_metrics: bool = Field(True, description="also publish the key metrics as Ray "
                               "application metrics (the dashboard, Prometheus)")
 

@@ -70,7 +70,8 @@ class JobTelemetry:
         self.cfg = cfg
         self.settings = telemetry.TelemetrySettings(
             exporter=cfg.exporter, dir=str(run_dir / "telemetry"), endpoint=cfg.otlp_endpoint,
-            interval_s=cfg.export_interval_s, run=run_name)
+            interval_s=cfg.export_interval_s, run=run_name,
+            sample_ratio=cfg.rollout_sample_ratio)
         self.run_name = run_name
         self._lock = threading.Lock()
         self._meter_provider: Any = None
@@ -189,19 +190,10 @@ class JobTelemetry:
         self._ray("restart", domain, cause)
 
     def generation_latency(self, seconds: float, step: int) -> None:
-        """One generated turn of a rollout for RL step ``step``."""
+        """One generated turn of a rollout for RL step ``step``; recorded into the
+        histograms with the step (:meth:`step`), so a rollout costs a list append here."""
         with self._lock:
             self._latencies.setdefault(step, []).append(seconds)
-        instrument = self._instruments.get("latency")
-        if instrument is not None:
-            instrument.record(seconds)
-        self._ray("generation_latency", seconds)
-
-    def rollout_done(self, tokens: int) -> None:
-        self._add("rollouts", 1)
-        self._add("tokens", tokens)
-        self._ray("rollouts", 1)
-        self._ray("tokens", tokens)
 
     def sandbox_outcome(self, kind: str) -> None:
         self._add("sandbox", 1, kind=kind)
@@ -231,6 +223,18 @@ class JobTelemetry:
         rollouts_s = record.get("samples", 0) / step_s if step_s > 0 else 0.0
         tokens_s = record.get("gen_tokens", 0) / step_s if step_s > 0 else 0.0
         self._gauges.update(rollouts_per_s=rollouts_s, tokens_per_s=tokens_s, goodput=goodput)
+        # Counters and histograms per step, not per rollout: the driver plays hundreds of
+        # rollouts a second, and each metric call costs microseconds it would otherwise lose.
+        samples, tokens = int(record.get("samples", 0)), int(record.get("gen_tokens", 0))
+        self._add("rollouts", samples)
+        self._add("tokens", tokens)
+        self._ray("rollouts", samples)
+        self._ray("tokens", tokens)
+        histogram = self._instruments.get("latency")
+        for seconds in latencies:
+            if histogram is not None:
+                histogram.record(seconds)
+            self._ray("generation_latency", seconds)
         total = sum(failed.values())
         for domain, count in failed.items():
             share = lost * count / total

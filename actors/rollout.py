@@ -150,7 +150,6 @@ class RolloutObserver(Protocol):
     def generation_latency(self, seconds: float, step: int) -> None: ...
     def sandbox_outcome(self, kind: str) -> None: ...
     def judge_failure(self, kind: str) -> None: ...
-    def rollout_done(self, tokens: int) -> None: ...
 
 
 class RolloutRunner:
@@ -194,7 +193,8 @@ class RolloutRunner:
         only transitions the journal lacks are recorded.
         """
         version = self.engines.weights.version if self.engines.weights else 0
-        with telemetry.span("rollout", root=True, rollout_id=rollout_id, step=step,
+        with telemetry.span("rollout", root=True, sample_key=rollout_id,
+                            rollout_id=rollout_id, step=step,
                             group=group, policy_version=version,
                             replayed=history is not None) as span:
             traj = await self._play(rollout_id, step, group, episode, episode_index,
@@ -202,8 +202,6 @@ class RolloutRunner:
             traj.trace = telemetry.carrier(span)
             span.set_attribute("erlay.reward", traj.reward)
             span.set_attribute("erlay.tokens", traj.generated_tokens)
-        if self.observer is not None:
-            self.observer.rollout_done(traj.generated_tokens)
         return traj
 
     async def _play(self, rollout_id: str, step: int, group: int, episode: Episode,

@@ -9,8 +9,9 @@ Also runs a short tool-use job in the same invocation, so the sandbox path is me
 
 ``telemetry_overhead`` is samples/s with telemetry off (``telemetry.exporter=none``, no Ray
 metrics) divided by samples/s with the default exporters on (spans and metrics to files,
-Ray metrics), over short jobs run alternately off/on, the median of the pairs.  The jobs use
-the same seeds, so both generate the same tokens (their step digests are compared).
+Ray metrics, 2% of rollouts traced end to end), over short jobs run alternately off/on, the
+median of the pairs.  Both use the same seeds and the same work per step; which policy version
+makes which token depends on timing (one-step off-policy), so their tokens may differ.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
     }
 
 
-OVERHEAD_OVERRIDES = ["run.steps=30", "warm_start.steps=60", "learner.lr_decay_steps=0"]
+OVERHEAD_OVERRIDES = ["run.steps=60", "warm_start.steps=60", "learner.lr_decay_steps=0"]
 TELEMETRY_OFF = ["telemetry.exporter=none", "telemetry.ray_metrics=false"]
 
 
@@ -68,19 +69,17 @@ def rl_samples_per_s(run_dir: RunDir) -> float:
 
 
 def telemetry_overhead(config: Path, parent: Path, pairs: int) -> dict[str, Any]:
-    ratios, same_tokens = [], True
+    ratios = []
     for i in range(pairs):
         _, off = run_job(config, [*OVERHEAD_OVERRIDES, *TELEMETRY_OFF], parent, f"off-{i}")
         _, on = run_job(config, OVERHEAD_OVERRIDES, parent, f"on-{i}")
         ratios.append(rl_samples_per_s(off) / rl_samples_per_s(on))
-        same_tokens &= ([m["tokens_digest"] for m in off.rl_steps()]
-                        == [m["tokens_digest"] for m in on.rl_steps()])
         spans = sum(1 for f in (on.path / "telemetry").glob("spans-*.jsonl")
                     for _ in f.open())
     ratios.sort()
     return {"telemetry_overhead": round(ratios[len(ratios) // 2], 3),
             "telemetry_overhead_pairs": [round(r, 3) for r in ratios],
-            "telemetry_same_tokens": same_tokens, "telemetry_spans_per_job": spans}
+            "telemetry_spans_per_job": spans}
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ class JudgeWorker:
         the same inputs is returned from the cache.  Never raises for the judge's failures.
         ``trace``: the caller's trace context; the call is a ``judge.score`` span under it.
         """
-        with telemetry.span("judge.score", parent=trace, key=key) as span:
+        with telemetry.span("judge.score", parent=trace, child_only=True, key=key) as span:
             result = await self._score(judge_input, answer, key)
             span.set_attribute("erlay.ok", bool(result.get("ok", False)))
             return result

@@ -99,7 +99,8 @@ class SandboxWorker:
         """Run ``request`` (a SandboxRequest dict) once per key; the SandboxResult dict.
         ``trace``: the caller's trace context; the call is a ``sandbox.run`` span under it."""
         key = request.get("key") if isinstance(request, dict) else None
-        with telemetry.span("sandbox.run", parent=trace, key=key, slot=self.slot) as span:
+        with telemetry.span("sandbox.run", parent=trace, child_only=True, key=key,
+                            slot=self.slot) as span:
             result = await self._execute(request)
             span.set_attribute("erlay.outcome", str(result.get("outcome")))
             return result

@@ -13,6 +13,13 @@ prints the same to stdout; ``otlp`` sends both over OTLP/HTTP to a collector; ``
 the API as no-ops.  Spans are batched and written about every half second; a process killed
 by SIGKILL loses the spans of its last half second, never the job's other data.
 
+Sampling: tracing every rollout would cost the driver far more than the 3% budget (a span
+costs ~0.1 ms to create and export, and a rollout makes five), so rollouts are sampled by a
+deterministic hash of their key (:func:`sampled`; ``sample_ratio``, default 2%): a traced
+rollout is traced whole, in every process, and the same rollout replayed after a failure is
+traced again.  Spans of an unsampled block cost a context-variable read.  Spans without a
+sample key (train steps, checkpoints, restarts) are always recorded.
+
 Trace context crosses process boundaries explicitly, as a W3C ``traceparent`` carrier dict
 that travels inside the request (:func:`carrier` on the caller, ``parent=`` on the callee),
 so a rollout's spans in the coordinator, the engine, the sandbox host and the judge host form
@@ -27,8 +34,10 @@ import json
 import logging
 import os
 import threading
+import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +69,7 @@ class TelemetrySettings:
     endpoint: str | None = None     # otlp: the collector's base URL
     interval_s: float = 5.0         # metrics export period
     run: str = ""                   # the run's name, a resource attribute of every span
+    sample_ratio: float = 0.02      # share of sampled keys (rollouts) that are traced
 
     def env(self) -> dict[str, str]:
         """The environment variable that makes a child process configure itself alike."""
@@ -218,6 +228,19 @@ def enabled() -> bool:
     return _state.provider is not None
 
 
+def sampled(key: str) -> bool:
+    """Whether the work named ``key`` (a rollout id) is traced: a stable hash of the key
+    below the configured ratio, so every process and every replay agrees."""
+    settings = _state.settings
+    if _state.provider is None or settings is None or settings.sample_ratio <= 0:
+        return False
+    return zlib.crc32(key.encode()) < settings.sample_ratio * 2**32
+
+
+# Set inside an unsampled block: the spans under it are skipped without touching OpenTelemetry.
+_quiet: ContextVar[bool] = ContextVar("erlay_telemetry_quiet", default=False)
+
+
 # ---------------------------------------------------------------------- propagation
 def carrier(span: trace.Span | None = None) -> Carrier | None:
     """The W3C trace context of ``span`` (default: the current span) as a dict to send
@@ -238,14 +261,32 @@ def parent_context(trace_carrier: Mapping[str, str] | None) -> otel_context.Cont
 
 @contextmanager
 def span(name: str, parent: Mapping[str, str] | None = None, *, root: bool = False,
+         sample_key: str | None = None, child_only: bool = False,
          **attributes: Any) -> Iterator[trace.Span]:
     """A span around a block: a child of ``parent`` (a carrier from another process) if
     given, the root of a new trace if ``root``, else a child of the current span.
-    Attribute names get the ``erlay.`` prefix; None values are left out.  An exception
-    marks the span as an error and propagates."""
+
+    ``sample_key``: trace the block only if :func:`sampled`; else the block and every span
+    under it (in this task) are skipped.  ``child_only``: record only under a ``parent``
+    (a callee traces only the calls of traced work).  Attribute names get the ``erlay.``
+    prefix; None values are left out.  An exception marks the span as an error and
+    propagates.  Where nothing is recorded the block gets an invalid span, whose
+    :func:`carrier` is None."""
+    tracer_ = tracer()
+    if (_state.provider is None or (child_only and not parent)
+            or (_quiet.get() and parent is None)):
+        yield trace.INVALID_SPAN
+        return
+    if sample_key is not None and not sampled(sample_key):
+        token = _quiet.set(True)
+        try:
+            yield trace.INVALID_SPAN
+        finally:
+            _quiet.reset(token)
+        return
     attrs = {f"erlay.{k}": v for k, v in attributes.items() if v is not None}
     ctx = otel_context.Context() if root else parent_context(parent)
-    with tracer().start_as_current_span(name, context=ctx, attributes=attrs) as current:
+    with tracer_.start_as_current_span(name, context=ctx, attributes=attrs) as current:
         yield current
 
 
@@ -253,6 +294,8 @@ def start_span(name: str, parent: Mapping[str, str] | None = None,
                start_time: float | None = None, **attributes: Any) -> trace.Span:
     """A span that is not made current, for work that ends elsewhere (an engine request
     ends in the decode loop); the caller must ``end()`` it."""
+    if not parent and _quiet.get():
+        return trace.INVALID_SPAN
     attrs = {f"erlay.{k}": v for k, v in attributes.items() if v is not None}
     return tracer().start_span(name, context=parent_context(parent), attributes=attrs,
                                start_time=None if start_time is None else int(start_time * 1e9))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from actors.config import TelemetrySection, load_config
@@ -101,6 +102,37 @@ def test_the_hub_adds_latency_tails_time_lost_and_goodput(tmp_path: Path) -> Non
         hub.close()
 
 
+def test_rollouts_are_sampled_by_a_stable_hash_and_unsampled_ones_cost_no_span() -> None:
+    memory = InMemorySpanExporter()
+    telemetry.configure(telemetry.TelemetrySettings(exporter="none", sample_ratio=0.25),
+                        "test", extra=memory)
+    try:
+        keys = [f"r{i:05d}-g000-0" for i in range(2000)]
+        picked = [k for k in keys if telemetry.sampled(k)]
+        assert picked == [k for k in keys if telemetry.sampled(k)]  # stable
+        assert 0.2 < len(picked) / len(keys) < 0.3
+        skipped = next(k for k in keys if not telemetry.sampled(k))
+        with telemetry.span("rollout", root=True, sample_key=skipped) as root:
+            assert telemetry.carrier(root) is None
+            with telemetry.span("generate") as inner:
+                assert not inner.get_span_context().is_valid
+            assert telemetry.start_span("consume") is trace.INVALID_SPAN
+        with telemetry.span("rollout", root=True, sample_key=picked[0]) as root:
+            carried = telemetry.carrier(root)
+            with telemetry.span("generate"):
+                pass
+        with telemetry.span("judge.score", child_only=True):
+            pass  # a callee without a caller's trace records nothing
+        with telemetry.span("judge.score", parent=carried, child_only=True):
+            pass
+        with telemetry.span("train_step", root=True):
+            pass  # no sample key: always recorded
+    finally:
+        names = [s.name for s in memory.get_finished_spans()]
+        telemetry.shutdown()
+    assert names == ["generate", "rollout", "judge.score", "train_step"]
+
+
 def test_settings_travel_through_the_environment() -> None:
     settings = telemetry.TelemetrySettings(exporter="file", dir="/x/telemetry", run="r")
     assert telemetry.TelemetrySettings.from_env(settings.env()) == settings
@@ -131,7 +163,7 @@ def test_one_rollout_is_one_trace_across_processes(tmp_path: Path, fresh_ray: No
     cfg = load_config(CONFIGS / "cpu.yaml", [
         "run.steps=3", "warm_start.steps=10", "rollout.prompts_per_step=4",
         "rollout.group_size=4", "ray.num_cpus=4", "checkpoint.every_steps=2",
-        "telemetry.ray_metrics=false"])
+        "telemetry.ray_metrics=false", "telemetry.rollout_sample_ratio=1.0"])
     job = Job(cfg, RunDir.create(tmp_path, "trace"))
     memory = InMemorySpanExporter()
     job.span_exporter = memory
@@ -226,7 +258,7 @@ def test_the_otlp_exporter_reaches_a_collector_on_loopback(tmp_path: Path) -> No
         hub.start()
         with telemetry.span("rollout", root=True, rollout_id="r1"), telemetry.span("generate"):
             pass
-        hub.rollout_done(tokens=12)
+        hub.step({"step": 0, "step_s": 1.0, "samples": 4, "gen_tokens": 12})
     finally:
         hub.close()
         server.shutdown()
