@@ -11,6 +11,8 @@ before anyone acts on it.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ErlayError(Exception):
     """Root of every error erlay raises deliberately."""
@@ -95,3 +97,19 @@ class TaskFailed(ErlayError):
 
 class InstallError(ErlayError):
     """erlay's own packages are missing or shadowed by another distribution."""
+
+
+class NumaBindError(ErlayError):
+    """A process could not be bound to the CPUs of its GPU: the GPU is missing from the
+    affinity map, or none of its CPUs is available here.  The message names both sets."""
+
+
+class VersionMismatch(ErlayError):
+    """The nodes of a job run different versions of the stack.  ``rows`` lists what differs
+    (one row per package, node -> version, None where missing) and the message holds them as
+    a node x package table."""
+
+    def __init__(self, rows: list[Any], table: str) -> None:
+        self.rows = rows
+        self.table = table
+        super().__init__(f"package versions differ across nodes:\n{table}")
