@@ -1,0 +1,232 @@
+"""Benchmark of a seeded JIT cache: torch.compile of the policy, cold against warm.
+
+The policy is ``actors.policy.PolicyModel`` with the model section of ``configs/cpu.yaml``
+(and the character tokenizer's vocabulary), compiled with ``torch.compile`` (Inductor, C++
+codegen on CPU).  Each measurement runs in a FRESH Python process:
+
+1. **cold**: an empty node-local cache directory (``JitCache.seed()`` finds no archive);
+2. the cold node's caches are archived with ``JitCache.elect()`` + ``JitCache.archive()``;
+3. **warm**: a second, empty local directory is seeded from that archive, then a new process
+   compiles the same model.
+
+In each child, with the cache environment of ``JitCache.env()`` (FX graph cache and AOT
+autograd cache on, autotuning off), it measures:
+
+- ``fwd_s``: from ``torch.compile(model)`` to the first compiled forward's output, inference
+  mode (what an engine does).  ``cold_s`` and ``warm_s`` are this.  The learner does not
+  compile its model today, so forward is the headline;
+- ``train_s``: the first forward + backward with gradients (a second graph: grad mode is
+  guarded), reported as an extra;
+- the cache counters of ``torch._dynamo.utils.counters``: Inductor's ``fxgraph_cache_hit`` /
+  ``_miss`` and AOT autograd's ``autograd_cache_hit`` / ``_miss``, so a warm run that did not
+  really hit the cache shows it.
+
+``fwd_s`` starts after ``import torch._dynamo`` and ``torch._inductor.compile_fx``: those
+modules are a per-process cost (``compiler_import_s``, about 3 s here) that no cache shortens;
+``warm_incl_compiler_import_over_cold`` counts them in.  Each child gets its own ``TMPDIR`` on
+the node, so nothing reaches the warm run outside the archive; ``outside_cache_mb`` is what a
+child wrote there.
+
+The pair above runs with :data:`supervisor.jitcache.DEFAULT_FLAGS` (Inductor's precompiled C++
+header off).  A second pair, ``stock``, keeps Inductor's default (header on): its warm child
+rebuilds the 150 MB header, which lives outside the cache directory, before its first forward.
+
+Also: ``seed_s`` (one sequential extraction), ``archive_s``, ``archive_mb``, and each child's
+whole wall time including interpreter start and ``import torch`` (``*_process_s``), which
+the cache cannot shorten.  Prints a table, then one JSON object as the last line.  Target:
+``warm_over_cold`` <= 0.1.
+
+    python bench/jit_cache.py [--dir /tmp] [--no-stock] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from supervisor.jitcache import CacheSpec, JitCache  # noqa: E402
+
+COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+            ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
+            ("aot_autograd", "autograd_cache_miss"))
+
+
+def child() -> None:
+    """Compile the CPU policy once, print one JSON line of timings and cache counters."""
+    import yaml
+
+    start = time.perf_counter()
+    import torch
+    import torch._dynamo.utils
+
+    from actors.policy import PolicyConfig, PolicyModel, left_pad
+    from actors.tokenizer import CharTokenizer
+
+    imported = time.perf_counter()
+    # The compiler's own modules: a per-process cost that no cache shortens, kept out of fwd_s.
+    import torch._dynamo
+    import torch._inductor.compile_fx
+
+    compiler_imported = time.perf_counter()
+    model_cfg = yaml.safe_load((ROOT / "configs" / "cpu.yaml").read_text())["model"]
+    torch.manual_seed(0)
+    model = PolicyModel(PolicyConfig(vocab_size=CharTokenizer().vocab_size, **model_cfg))
+    tok = CharTokenizer()
+    prompts = [tok.encode(f"{a}+{b}=", bos=True) for a, b in ((12, 34), (5, 78), (99, 1))]
+    tokens, positions, mask = left_pad(prompts)
+
+    t0 = time.perf_counter()
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        logits, _ = compiled(tokens, positions, mask)
+    t1 = time.perf_counter()
+    logits, _ = compiled(tokens, positions, mask)
+    logits.float().logsumexp(-1).mean().backward()
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        eager, _ = model(tokens, positions, mask)
+    counters = torch._dynamo.utils.counters
+    print(json.dumps({
+        "import_s": imported - start, "compiler_import_s": compiler_imported - imported,
+        "fwd_s": t1 - t0, "train_s": t2 - t1,
+        "max_abs_diff": float((eager - logits.detach()).abs().max()),
+        **{name: int(counters[group][name]) for group, name in COUNTERS},
+    }))
+
+
+def run_child(cache: JitCache, **overrides: str) -> dict[str, Any]:
+    """One fresh process compiling with ``cache``'s environment; its JSON line, its wall time
+    and what it wrote outside the cache directories (its own ``TMPDIR``, node-local).
+    """
+    tmp = cache.spec.local_root / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **cache.env(),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+           "TORCHINDUCTOR_MAX_AUTOTUNE": "0", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp),
+           **overrides}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(f"child failed with exit code {proc.returncode}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_s"] = wall
+    result["outside_cache_mb"] = sum(p.stat().st_size for p in tmp.rglob("*")
+                                     if p.is_file()) / 1e6
+    return result
+
+
+def node(workdir: Path, name: str, shared: str = "shared") -> JitCache:
+    return JitCache(CacheSpec(archive_dir=workdir / shared, local_root=workdir / name))
+
+
+def cold_then_warm(workdir: Path, label: str, **overrides: str) -> dict[str, Any]:
+    """A cold child on an empty node, archive, seed a second empty node, a warm child there."""
+    cold_node = node(workdir, f"{label}-cold", shared=f"shared-{label}")
+    assert cold_node.seed().status == "missing"
+    cold = run_child(cold_node, **overrides)
+    t = time.perf_counter()
+    archive = cold_node.archive(cold_node.elect("bench"))
+    archive_s = time.perf_counter() - t
+    assert archive is not None, "archive failed"
+    warm_node = node(workdir, f"{label}-warm", shared=f"shared-{label}")
+    t = time.perf_counter()
+    seeded = warm_node.seed()
+    seed_s = time.perf_counter() - t
+    assert seeded.status == "seeded", seeded
+    warm = run_child(warm_node, **overrides)
+    return {"cold": cold, "warm": warm, "archive_s": archive_s, "seed_s": seed_s,
+            "archive_mb": archive.stat().st_size / 1e6, "seeded_mb": seeded.bytes / 1e6,
+            "seeded_files": seeded.files}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--no-stock", action="store_true",
+                        help="skip the pair with Inductor's stock precompiled C++ header")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    if args.child:
+        child()
+        return
+    logging.basicConfig(level=logging.WARNING)
+    workdir = Path(tempfile.mkdtemp(prefix="erlay-bench-jitcache-", dir=args.dir))
+    try:
+        runs = {"erlay": cold_then_warm(workdir, "erlay")}
+        if not args.no_stock:
+            runs["stock"] = cold_then_warm(workdir, "stock",
+                                           TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1")
+    finally:
+        if args.keep:
+            print(f"work directory kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    rows = ["fwd_s", "train_s", "import_s", "compiler_import_s", "process_s",
+            "outside_cache_mb", "fxgraph_cache_hit", "fxgraph_cache_miss",
+            "fxgraph_cache_bypass", "autograd_cache_hit", "autograd_cache_miss", "max_abs_diff"]
+    columns = [(f"{label} {kind}", run[kind]) for label, run in runs.items()
+               for kind in ("cold", "warm")]
+    print(f"{'':22}" + "".join(f"{name:>14}" for name, _ in columns))
+    for r in rows:
+        print(f"{r:22}" + "".join(f"{col[r]:>14.4g}" for _, col in columns))
+    for key in ("seed_s", "archive_s", "archive_mb", "seeded_mb", "seeded_files"):
+        print(f"{key:22}" + "".join(f"{run[key]:>28.4g}" for run in runs.values()))
+
+    erlay = runs["erlay"]
+    cold, warm = erlay["cold"], erlay["warm"]
+    summary: dict[str, Any] = {
+        "cold_s": round(cold["fwd_s"], 3),
+        "warm_s": round(warm["fwd_s"], 3),
+        "warm_over_cold": round(warm["fwd_s"] / cold["fwd_s"], 4),
+        "archive_mb": round(erlay["archive_mb"], 3),
+        "seed_s": round(erlay["seed_s"], 3),
+        "archive_s": round(erlay["archive_s"], 3),
+        "warm_plus_seed_over_cold": round((warm["fwd_s"] + erlay["seed_s"]) / cold["fwd_s"], 4),
+        "warm_incl_compiler_import_over_cold": round(
+            (warm["fwd_s"] + warm["compiler_import_s"])
+            / (cold["fwd_s"] + cold["compiler_import_s"]), 4),
+        "cold_train_s": round(cold["train_s"], 3),
+        "warm_train_s": round(warm["train_s"], 3),
+        "compiler_import_s": round(warm["compiler_import_s"], 3),
+        "cold_process_s": round(cold["process_s"], 3),
+        "warm_process_s": round(warm["process_s"], 3),
+        "warm_fxgraph_cache_hit": warm["fxgraph_cache_hit"],
+        "warm_fxgraph_cache_miss": warm["fxgraph_cache_miss"],
+        "warm_autograd_cache_hit": warm["autograd_cache_hit"],
+        "warm_autograd_cache_miss": warm["autograd_cache_miss"],
+        "cold_fxgraph_cache_miss": cold["fxgraph_cache_miss"],
+        "seeded_files": erlay["seeded_files"],
+        "seeded_mb": round(erlay["seeded_mb"], 3),
+    }
+    if "stock" in runs:
+        stock = runs["stock"]
+        summary.update({
+            "stock_cold_s": round(stock["cold"]["fwd_s"], 3),
+            "stock_warm_s": round(stock["warm"]["fwd_s"], 3),
+            "stock_warm_over_stock_cold": round(
+                stock["warm"]["fwd_s"] / stock["cold"]["fwd_s"], 4),
+            "warm_over_stock_cold": round(warm["fwd_s"] / stock["cold"]["fwd_s"], 4),
+            "stock_outside_cache_mb": round(stock["cold"]["outside_cache_mb"], 1),
+        })
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
