@@ -8,6 +8,7 @@ Subcommands:
   erlay status [--watch | --json]         the live tree of a running job
   erlay report RUN_DIR                    a Markdown report with plots of a finished or
                                           crashed run
+  erlay topology [--ray-start-args]       this node's GPUs, NVLink domain and NUMA map
   erlay demo                              a local supervision tree surviving kills
 
 Every invocation first checks that erlay's packages are erlay's own (see
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="the run directory")
     report.add_argument("--out", help="where to write report.md and its plots (default: "
                         "RUN_DIR/report)")
+    topo = sub.add_parser("topology", help="this node's GPUs, NVLink domain, CPU/NUMA "
+                          "affinity, and the `ray start` arguments that register them")
+    topo.add_argument("--ray-start-args", action="store_true", help="print only the "
+                      "arguments to add to `ray start` (shell-quoted)")
     demo = sub.add_parser("demo", help="run a local supervision tree that survives kills")
     demo.add_argument("--kills", type=int, default=8, help="faults to inject (default 8)")
     demo.add_argument("--interval", type=float, default=0.5,
@@ -114,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         case "report":
             from actors.report import cli_report
             return cli_report(args)
+        case "topology":
+            return _topology(args)
         case "demo":
             from supervisor.demo import run_demo
             return run_demo(kills=args.kills, interval_s=args.interval)
@@ -185,6 +192,27 @@ def _chaos(args: argparse.Namespace) -> int:
         print(f"  {mark}  {verdict.name}: {verdict.detail}")
     print(f"erlay: chaos report {result.report_paths[1]}")
     return 0 if result.ok else 1
+
+
+def _topology(args: argparse.Namespace) -> int:
+    import json
+    import shlex
+
+    from supervisor.topology import TopologyError, affinity_map, discover, ray_start_args
+    try:
+        topology = discover()
+    except TopologyError as exc:
+        print(f"erlay: {exc}", file=sys.stderr)
+        return 2
+    if args.ray_start_args:
+        print(shlex.join(ray_start_args(topology)))
+        return 0
+    print(f"host {topology.hostname}: {len(topology.gpus)} GPU(s), NVLink domain "
+          f"{topology.nvlink_domain or '-'}, topology address {topology.topo_addr}")
+    for gpu, entry in affinity_map(topology).items():
+        print(f"  GPU {gpu}: {json.dumps(entry)}")
+    print("ray start " + shlex.join(ray_start_args(topology)))
+    return 0
 
 
 def _journal(args: argparse.Namespace) -> int:

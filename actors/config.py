@@ -186,6 +186,28 @@ class TelemetrySection(Section):
         return self
 
 
+class JitCacheSection(Section):
+    archive_dir: str | None = Field(None, description="shared storage (the same path on every "
+                                    "node) holding the JIT-cache archive; null: no seeding and "
+                                    "no archiving")
+    local_dir: str = Field("/tmp/erlay-jit", description="node-local directory of the "
+                           "Inductor, Triton, vLLM and FlashInfer caches")
+
+
+class NodeSection(Section):
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables "
+                                "every process of the job gets, and whatever they spawn")
+    env_passthrough: list[str] = Field(
+        default_factory=lambda: ["LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_DEVICE_ORDER",
+                                 "NCCL_*", "TORCH_*", "VLLM_*"],
+        description="names (or globs) copied from the driver's environment, when set")
+    numa_bind: bool = Field(True, description="bind each GPU worker to its GPU's local CPUs "
+                            "and memory (a no-op without GPUs)")
+    check_versions: bool = Field(True, description="fail before any work starts when nodes "
+                                 "report different stack versions (Python, torch, Ray, ...)")
+    jit_cache: JitCacheSection = JitCacheSection()
+
+
 class DomainFlags(Section):
     intensity: int = Field(5, ge=0)
     period: float = Field(30.0, gt=0)
@@ -221,6 +243,7 @@ class JobConfig(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     supervision: SupervisionSection = SupervisionSection()
     telemetry: TelemetrySection = TelemetrySection()
+    node: NodeSection = NodeSection()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(by_alias=True, mode="json"), sort_keys=False)

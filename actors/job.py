@@ -24,11 +24,12 @@ from typing import Any
 from actors.config import DomainFlags, JobConfig
 from actors.job_telemetry import JobTelemetry
 from actors.journal import FsyncPolicy, Journal
+from actors.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
 from actors.rundir import RunDir
 from actors.tokenizer import CharTokenizer
 from actors.transitions import NullTransitions, TeeTransitions, TransitionSink
 from environments.base import load_environment
-from supervisor.errors import SupervisorFailed
+from supervisor.errors import SupervisorFailed, VersionMismatch
 from supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
 from supervisor.host import host_spec
 from supervisor.raylocal import alive_nodes, ensure_ray, shutdown_ray
@@ -149,10 +150,11 @@ class Job:
 
         cfg, sup = self.cfg, self.cfg.supervision
         model = self.model_config()
-        env = self.telemetry.actor_env()
+        env = {**actor_env(cfg.node), **self.telemetry.actor_env()}
         # Every actor of the job configures its telemetry from ERLAY_TELEMETRY (see
         # supervisor.telemetry), so its spans join the job's traces.
         opts: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
+        declared = declared_env(cfg.node)  # hosts forward it to all they spawn
         master_port = free_port()
         learners = [ChildSpec(f"learner-{r}", ActorStart(Learner, args=(model,), kwargs=dict(
             lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
@@ -182,7 +184,7 @@ class Job:
         # (simulated nodes) must not share slots.
         sandbox_hosts = [host_spec(f"node-{i}", pool, (sandbox_template,), node_id=node,
                                    instances=tuple((i * workers + s,) for s in range(workers)),
-                                   options=opts)
+                                   options=opts, env=declared)
                          for i, node in enumerate(nodes)]
         judge_pool = SupervisorFlags("simple_one_for_one", intensity=sup.judge.intensity,
                                      period=sup.judge.period)
@@ -192,7 +194,7 @@ class Job:
             deadlines={"judge_call": cfg.judge.timeout_s * 3})
         judge_hosts = [host_spec(f"node-{i}", judge_pool, (judge_template,), node_id=node,
                                  instances=tuple(() for _ in range(cfg.judge.workers_per_node)),
-                                 options=opts)
+                                 options=opts, env=declared)
                        for i, node in enumerate(nodes)]
         coordinator = ChildSpec("coordinator", InProcessStart(RolloutCoordinator, args=(self,)),
                                 restart="transient", significant=True, shutdown=30.0)
@@ -245,6 +247,15 @@ class Job:
         ray_info = ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
                               include_dashboard=cfg.ray.include_dashboard)
         started = time.time()
+        nodes = sorted(n["NodeID"] for n in alive_nodes())
+        try:
+            prepare_nodes(cfg.node, nodes)  # seed JIT caches; stack versions agree, or stop
+        except VersionMismatch as exc:
+            if ray_info["started"]:
+                shutdown_ray()
+            return self._end(JobResult("failed", f"nodes run different versions; nothing "
+                                       f"was started:\n{exc.table}", time.time() - started,
+                                       self.run_dir))
         self.telemetry.start(self.span_exporter)
         tree = self.build()
         from actors.status import StatusPublisher
@@ -266,8 +277,12 @@ class Job:
             raise
         finally:
             status.stop()
+            finish_nodes(cfg.node, nodes, self.run_dir.path.name)  # the elected one archives
             if ray_info["started"]:  # a Ray this job started ends with it, agents and all
                 shutdown_ray()
+        return self._end(result)
+
+    def _end(self, result: JobResult) -> JobResult:
         self._close()
         self.run_dir.plot_rewards()
         self.run_dir.write_summary(result.status, result.wall_s, result.reason)

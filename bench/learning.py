@@ -106,7 +106,7 @@ def main() -> None:
     print(f"run directory: {run_dir.path} ({result.status})")
     print(f"{'figure':24s} {'measured':>10s}  target")
     for key, value in out.items():
-        print(f"{key:24s} {str(value):>10}  {targets.get(key, '')}")
+        print(f"{key:24s} {value!s:>10}  {targets.get(key, '')}")
     print(json.dumps(out))
 
 

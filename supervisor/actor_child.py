@@ -72,12 +72,31 @@ def _is_async_class(cls: type) -> bool:
                for name in dir(cls) if not name.startswith("__"))
 
 
+NUMA_ENV = "ERLAY_NUMA_BIND"
+
+
+def _bind_numa() -> None:
+    """With ``ERLAY_NUMA_BIND=1`` and a visible GPU, bind this actor's process (every thread,
+    and what it spawns later) to the CPUs and memory local to that GPU, from this node's
+    ``nvidia-smi topo -m`` (:mod:`supervisor.numa`).  Without a GPU: nothing, not even the
+    probe.  A failure is logged: a slower worker beats no worker."""
+    from supervisor import numa
+    if os.environ.get(NUMA_ENV) != "1" or numa.visible_gpu(os.environ) is None:
+        return
+    try:
+        from supervisor import topology
+        numa.bind_to_visible_gpu(topology.affinity_map(topology.discover()))
+    except Exception:
+        log.warning("NUMA binding failed; the actor runs unbound", exc_info=True)
+
+
 def supervised_class(cls: type) -> Any:
     """The remote class for ``cls`` with erlay's monitor methods added (cached)."""
     if cls in _CLASSES:
         return _CLASSES[cls]
     if _is_async_class(cls):
         async def _erlay_ready(self: Any) -> dict[str, Any]:
+            _bind_numa()
             hook = getattr(self, "erlay_ready", None)
             if hook is not None:
                 result = hook()
@@ -115,6 +134,7 @@ def supervised_class(cls: type) -> Any:
         group = ray.method(concurrency_group="_erlay")
 
         def _erlay_ready_s(self: Any) -> dict[str, Any]:
+            _bind_numa()
             hook = getattr(self, "erlay_ready", None)
             if hook is not None:
                 hook()

@@ -282,7 +282,10 @@ def span(name: str, parent: Mapping[str, str] | None = None, *, root: bool = Fal
         try:
             yield trace.INVALID_SPAN
         finally:
-            _quiet.reset(token)
+            try:
+                _quiet.reset(token)
+            except ValueError:  # closed by the garbage collector outside its task
+                pass
         return
     attrs = {f"erlay.{k}": v for k, v in attributes.items() if v is not None}
     ctx = otel_context.Context() if root else parent_context(parent)

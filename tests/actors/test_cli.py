@@ -82,3 +82,26 @@ def test_journal_inspect_shows_states_and_one_rollouts_history(tmp_path: Path) -
     assert history.returncode == 0 and "chunk" in history.stdout
     missing = erlay("journal", "inspect", str(tmp_path / "nope"))
     assert missing.returncode == 2 and missing.stderr
+
+
+def test_topology_reads_nvidia_smi_and_prints_the_ray_start_arguments(tmp_path: Path) -> None:
+    """A stand-in `nvidia-smi` on PATH answers with the GB200 fixtures."""
+    fixtures = ROOT / "tests" / "supervisor" / "fixtures" / "topology"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   f'if [ "$1" = "-q" ]; then cat {fixtures / "gb200_nvl72_smi_q.txt"}; '
+                   f'else cat {fixtures / "gb200_nvl72_topo_m.txt"}; fi\n')
+    smi.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_TOPOLOGY_ADDR": "s1.s3.node12"}
+    result = erlay("topology", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "4 GPU(s)" in result.stdout and "topology address s1.s3.node12" in result.stdout
+    args = erlay("topology", "--ray-start-args", env=env).stdout
+    assert args.startswith("--resources ") and '"nvlink_domain_' in args
+    assert "erlay.io/topo-addr=s1.s3.node12" in args
+
+
+def test_topology_without_gpus_is_not_an_error() -> None:
+    result = erlay("topology", env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    assert "0 GPU(s)" in result.stdout

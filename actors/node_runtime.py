@@ -1,0 +1,147 @@
+"""The node runtime of a job: what every node gets before the tree starts, and at the end.
+
+Before the tree starts, :func:`prepare_nodes` runs one task on every alive node (pinned to
+it, no CPU) that
+
+- seeds the node's JIT and compile caches from the shared archive, in one sequential
+  extraction (:class:`supervisor.jitcache.JitCache`; ``node.jit_cache``),
+- reports the node's stack versions (:func:`supervisor.versions.stack_versions`) and its
+  topology (:func:`supervisor.topology.discover`: GPUs and NVLink domain),
+
+and the driver fails fast, with a table of what differs, if the nodes' versions differ
+(``node.check_versions``), before any component starts.
+
+Every actor of the job gets :func:`actor_env` in its ``runtime_env``: the declared
+environment (``node.env`` and the driver's values of ``node.env_passthrough``), the cache
+directories, and ``ERLAY_NUMA_BIND`` (each GPU worker then binds itself to its GPU's local
+CPUs and memory, see :mod:`supervisor.actor_child`).  Node hosts forward the declared
+environment to every process they spawn, and those to theirs.
+
+At the end, :func:`finish_nodes` asks every node to archive its caches; one elected node
+writes the archive (every node compiled the same kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.config import NodeSection
+from supervisor.actor_child import NUMA_ENV
+from supervisor.versions import capture_env, check_consistent, stack_versions
+
+log = logging.getLogger("erlay.node")
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What one node said before the tree started."""
+
+    node: str                     # node-<i>, as the job labels hosts
+    hostname: str
+    versions: dict[str, str | None]
+    gpus: int
+    nvlink_domain: str | None
+    seed: str                     # the JIT cache seed's status (seeded, missing, ...) or off
+    topology_error: str | None = None
+
+
+def declared_env(cfg: NodeSection, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The declared environment: the driver's values of ``env_passthrough``, then ``env``."""
+    return {**capture_env(cfg.env_passthrough, environ), **cfg.env}
+
+
+def _jit_spec(cfg: NodeSection) -> Any:
+    if cfg.jit_cache.archive_dir is None:
+        return None
+    from supervisor.jitcache import CacheSpec
+    return CacheSpec(archive_dir=Path(cfg.jit_cache.archive_dir),
+                     local_root=Path(cfg.jit_cache.local_dir))
+
+
+def actor_env(cfg: NodeSection, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment every actor of the job gets (see the module docstring)."""
+    env = declared_env(cfg, environ)
+    spec = _jit_spec(cfg)
+    if spec is not None:
+        from supervisor.jitcache import cache_env
+        env.update(cache_env(spec.local_root, spec.extra, spec.flags))
+    if cfg.numa_bind:
+        env[NUMA_ENV] = "1"
+    return env
+
+
+def _prepare(label: str, spec: Any) -> NodeReport:
+    """On one node: seed its caches, report its versions and topology."""
+    import socket
+
+    from supervisor.topology import TopologyError, discover
+    seed = "off"
+    if spec is not None:
+        from supervisor.jitcache import JitCache
+        result = JitCache(spec).seed()
+        seed = result.status + (f" ({result.files} files)" if result.files else "")
+    try:
+        topo = discover()
+        gpus, domain, error = len(topo.gpus), topo.nvlink_domain, None
+    except TopologyError as exc:  # reported, and the job goes on without topology
+        gpus, domain, error = 0, None, str(exc)
+    return NodeReport(label, socket.gethostname(), stack_versions(), gpus, domain, seed, error)
+
+
+def _archive(label: str, spec: Any, run_id: str) -> str | None:
+    """On one node: stand for election as the run's archiver; write the archive if elected."""
+    from supervisor.jitcache import JitCache
+    cache = JitCache(spec)
+    path = cache.archive(cache.elect(run_id))
+    return None if path is None else str(path)
+
+
+def _on_each_node(nodes: list[str], fn: Any, *args: Any, timeout_s: float) -> list[Any]:
+    """``fn(label, *args)`` on each node of ``nodes`` (pinned there), in order."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    refs = [task.options(name=f"erlay/node@node-{i}:{fn.__name__.strip('_')}",
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(f"node-{i}", *args) for i, node in enumerate(nodes)]
+    return ray.get(refs, timeout=timeout_s)
+
+
+def gather_reports(cfg: NodeSection, nodes: list[str], timeout_s: float = 300.0
+                   ) -> list[NodeReport]:
+    """One :class:`NodeReport` per node id in ``nodes`` (in order, labelled node-<i>)."""
+    return _on_each_node(nodes, _prepare, _jit_spec(cfg), timeout_s=timeout_s)
+
+
+def prepare_nodes(cfg: NodeSection, nodes: list[str]) -> list[NodeReport]:
+    """Seed, report and check every node (see the module docstring).  Raises
+    :class:`~supervisor.errors.VersionMismatch`, whose message is the table, when the nodes'
+    versions differ and ``check_versions`` is on."""
+    reports = gather_reports(cfg, nodes)
+    for report in reports:
+        log.info("%s (%s): %d GPU(s), NVLink domain %s, JIT cache %s", report.node,
+                 report.hostname, report.gpus, report.nvlink_domain, report.seed)
+        if report.topology_error:
+            log.warning("%s: topology not known: %s", report.node, report.topology_error)
+    driver = {"driver": stack_versions()}
+    if cfg.check_versions:
+        check_consistent({**driver, **{r.node: r.versions for r in reports}})
+    return reports
+
+
+def finish_nodes(cfg: NodeSection, nodes: list[str], run_id: str) -> list[str]:
+    """Offer every node's caches for the archive; the elected node writes it.  Returns the
+    archives written (one, normally).  Never raises: a job that ended keeps its result."""
+    spec = _jit_spec(cfg)
+    if spec is None:
+        return []
+    try:
+        written = _on_each_node(nodes, _archive, spec, run_id, timeout_s=600.0)
+    except Exception:
+        log.warning("JIT cache archiving failed", exc_info=True)
+        return []
+    return [w for w in written if w is not None]
