@@ -78,7 +78,8 @@ def test_a_tool_call_without_a_journaled_result_runs_once_under_its_key() -> Non
     class Sandbox:
         calls = 0
 
-        async def execute(self, key: str, code: str) -> dict[str, Any]:
+        async def execute(self, key: str, code: str,
+                          trace: dict[str, str] | None = None) -> dict[str, Any]:
             calls.append(key)
             return result
 
