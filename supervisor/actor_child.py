@@ -299,11 +299,30 @@ class ActorProcess:
                 await asyncio.wait_for(_get(self.handle._erlay_progress.remote()), 1.0)
             except (ActorDiedError, RayActorError) as exc:
                 if not isinstance(exc, ActorUnavailableError):
+                    await self._wait_local_exit(deadline - loop.time())
                     return
             except TimeoutError:
                 pass
             await asyncio.sleep(0.02)
         log.warning("%s: no death confirmation within %g s", self.ctx.path, CONFIRM_DEATH_S)
+
+    async def _wait_local_exit(self, budget_s: float) -> None:
+        """On our own node, also wait until the process itself is gone (or a zombie): Ray
+        reports the death when the worker disconnects, while a big process may still be
+        tearing down its memory."""
+        pid = self.info.get("pid")
+        if not pid or self.info.get("node_id") != ray.get_runtime_context().get_node_id():
+            return
+        import psutil
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(budget_s, 5.0))
+        while loop.time() < deadline:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return
+            except psutil.NoSuchProcess:
+                return
+            await asyncio.sleep(0.01)
 
     async def stop(self, shutdown: Shutdown) -> ExitReason:
         if shutdown.kind is ShutdownKind.BRUTAL_KILL:
