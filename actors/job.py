@@ -250,12 +250,13 @@ class Job:
         nodes = sorted(n["NodeID"] for n in alive_nodes())
         try:
             prepare_nodes(cfg.node, nodes)  # seed JIT caches; stack versions agree, or stop
-        except VersionMismatch as exc:
+        except Exception as exc:  # noqa: BLE001 - a lost node, a timeout: end cleanly, say why
             if ray_info["started"]:
                 shutdown_ray()
-            return self._end(JobResult("failed", f"nodes run different versions; nothing "
-                                       f"was started:\n{exc.table}", time.time() - started,
-                                       self.run_dir))
+            why = (f"nodes run different versions; nothing was started:\n{exc.table}"
+                   if isinstance(exc, VersionMismatch) else
+                   f"preparing the nodes failed; nothing was started: {exc!r}")
+            return self._end(JobResult("failed", why, time.time() - started, self.run_dir))
         self.telemetry.start(self.span_exporter)
         tree = self.build()
         from actors.status import StatusPublisher
