@@ -398,12 +398,13 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
         if getattr(start_spec.cls, "_erlay_wants_path", False):
             kwargs["erlay_path"] = ctx.path
         handle = await _create(remote_cls, opts, (*start_spec.args, *ctx.args), kwargs)
+        timeout_s = start_spec.ready_timeout_s or ready_timeout_s
         try:
-            info = await asyncio.wait_for(_get(handle._erlay_ready.remote()), ready_timeout_s)
+            info = await asyncio.wait_for(_get(handle._erlay_ready.remote()), timeout_s)
         except BaseException as exc:  # noqa: BLE001 - cancelled too: never leak the actor
             ray.kill(handle, no_restart=True)
             if isinstance(exc, TimeoutError):
-                raise ChildStartError(ctx.path, f"not ready within {ready_timeout_s:g} s") \
+                raise ChildStartError(ctx.path, f"not ready within {timeout_s:g} s") \
                     from None
             raise ChildStartError(ctx.path, _start_failure(exc)) from None
         proc = ActorProcess(handle, ctx, info, quarantine_timeout_s, probe_interval_s)

@@ -158,3 +158,68 @@ def process_keeper() -> ProcessKeeper:
         if _KEEPER is None:
             _KEEPER = ProcessKeeper()
         return _KEEPER
+
+
+class OwnGroup:
+    """Makes the calling process the leader of its own process group, for a child whose
+    library spawns processes erlay does not start itself (vLLM's EngineCore and workers).
+
+    Those processes inherit the group and, through ``os.environ``, the keeper's token, so:
+
+    - :meth:`kill_members` kills every other process of the group (a polite stop);
+    - if this process dies, even by SIGKILL, the keeper's reaper kills the whole group and
+      every process that carries the token (one that left the group included).
+
+    Contract: call :meth:`adopt` before the library spawns anything.  The caller must not be
+    a session leader (a Ray worker is not).
+    """
+
+    def __init__(self, keeper: ProcessKeeper | None = None) -> None:
+        self.keeper = keeper or process_keeper()
+        self.pgid: int | None = None
+
+    def adopt(self) -> int:
+        """Lead a new process group, register it with the reaper, export the token and the
+        declared environment into ``os.environ``; returns the group id."""
+        if os.getpgid(0) != os.getpid():
+            os.setpgid(0, 0)
+        self.pgid = os.getpid()
+        # Spawned through multiprocessing, not the keeper: the environment they inherit is
+        # ours, so the declared variables and the token must be in it.
+        os.environ.update(self.keeper.declared_env)
+        os.environ[TOKEN_VAR] = self.keeper.token
+        self.keeper._ensure_reaper()
+        self.keeper._register(self.pgid)
+        return self.pgid
+
+    def members(self) -> list[int]:
+        """Other live processes of the group, or carrying the token (zombies excluded)."""
+        import psutil
+
+        me = os.getpid()
+        found = set(processes_with_token(self.keeper.token))
+        if self.pgid is not None:
+            for proc in psutil.process_iter(["pid"]):
+                try:
+                    if proc.pid != me and os.getpgid(proc.pid) == self.pgid:
+                        found.add(proc.pid)
+                except (ProcessLookupError, psutil.Error):
+                    continue
+        alive = []
+        for pid in sorted(found - {me}):
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+    def kill_members(self) -> list[int]:
+        """SIGKILL every other member (see :meth:`members`); returns the pids signalled."""
+        pids = self.members()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return pids

@@ -103,16 +103,22 @@ class ActorStart(StartSpec):
 
     ``options`` go to ``.options()``.  ``max_restarts`` must stay 0 because the supervisor owns
     restarts; ``num_cpus`` defaults to 0 so supervised actors never starve the job of CPUs.
+    ``ready_timeout_s`` bounds the constructor plus ``erlay_ready`` (None: the starter's
+    default); a child that loads a large engine sets it, and running past it is a start
+    failure, which counts against the restart intensity like any other.
     """
 
     cls: type
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    ready_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cls, type):
             raise InvalidSpec("start.cls", self.cls, "a class")
+        if self.ready_timeout_s is not None and not self.ready_timeout_s > 0:
+            raise InvalidSpec("start.ready_timeout_s", self.ready_timeout_s, "a number > 0")
         if self.options.get("max_restarts", 0) != 0:
             raise InvalidSpec("start.options.max_restarts", self.options["max_restarts"],
                               "0 (the supervisor owns restarts, not Ray)")

