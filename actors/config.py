@@ -59,6 +59,34 @@ class ModelSection(Section):
         return self
 
 
+class VllmSection(Section):
+    """Settings of the ``vllm`` backend (ignored by ``torch``)."""
+
+    model_dir: str | None = Field(None, description="serve this Hugging Face GPT-2 directory "
+                                  "(the learner starts from its weights); default: erlay's "
+                                  "policy, made at start")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="vLLM's speculative_config, passed through: {method: mtp} on "
+        "models with MTP heads, {method: ngram, ...} or a draft model elsewhere")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="more vLLM "
+                                        "AsyncEngineArgs (dtype, gpu_memory_utilization, ...)")
+    start_timeout_s: float = Field(600.0, gt=0, description="an engine start running longer "
+                                   "is a start failure (counts against restart intensity)")
+    rpc_timeout_s: float = Field(60.0, gt=0, description="timeout of each call into vLLM")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per engine actor (Ray resource)")
+
+    @field_validator("engine_args")
+    @classmethod
+    def _not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = {"model", "skip_tokenizer_init", "worker_extension_cls", "logprobs_mode",
+                 "speculative_config", "seed"}
+        clash = sorted(owned & set(value))
+        if clash:
+            raise ValueError(f"{clash} are set by erlay (use model_dir / speculative_config "
+                             "/ run.seed)")
+        return value
+
+
 class EngineSection(Section):
     backend: Literal["torch", "vllm"] = Field("torch", description="generation backend")
     num_engines: int = Field(1, ge=1, description="generation engine actors")
@@ -68,6 +96,7 @@ class EngineSection(Section):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
     chunk_tokens: int = Field(8, ge=1, description="stream a chunk at least this often")
     decode_deadline_s: float = Field(30.0, gt=0, description="hang deadline of a decode step")
+    vllm: VllmSection = VllmSection()
 
 
 class LearnerSection(Section):
@@ -244,6 +273,17 @@ class JobConfig(Section):
     supervision: SupervisionSection = SupervisionSection()
     telemetry: TelemetrySection = TelemetrySection()
     node: NodeSection = NodeSection()
+
+    @model_validator(mode="after")
+    def _vllm_head_size(self) -> JobConfig:
+        # vLLM's attention kernels refuse small heads, but only ~30 s into an engine start,
+        # deep in a worker's log: say it before anything starts.
+        head = self.model.d_model // self.model.n_heads
+        if self.engine.backend == "vllm" and self.engine.vllm.model_dir is None and head < 32:
+            raise ValueError(f"engine.backend vllm needs a head size (model.d_model / "
+                             f"model.n_heads) of at least 32 (vLLM's CPU attention supports "
+                             f"32, 64, 80, 96, 112, 128, ...); got {head}")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(by_alias=True, mode="json"), sort_keys=False)

@@ -151,7 +151,13 @@ class VllmEngine:
         self.group.adopt()
         if self.torch_threads:
             os.environ.setdefault("OMP_NUM_THREADS", str(self.torch_threads))
+        # Defaults for a node the engine shares (set them in node.env to change them): a
+        # small CPU KV cache; no pinning of OpenMP threads, which vLLM would put on core 0
+        # for every engine of the node; vLLM's own sockets on loopback, since its processes
+        # all run on this node.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_CACHE_GB))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self._stage = tempfile.mkdtemp(prefix="erlay-vllm-", dir=staging_dir())
         model_dir = self.model_dir or await asyncio.to_thread(self._write_policy)
         _, state = await asyncio.to_thread(read_model_dir, model_dir)
@@ -174,8 +180,11 @@ class VllmEngine:
         if self._watch is not None:
             self._watch.cancel()
         if self._llm is not None:
+            # Briefly, so vLLM can release its shared-memory queues; the supervisor's shutdown
+            # timeout (15 s in the job) must cover it, and the group kill below is the
+            # guarantee either way.
             try:
-                await asyncio.wait_for(asyncio.to_thread(self._llm.shutdown), 10.0)
+                await asyncio.wait_for(asyncio.to_thread(self._llm.shutdown, 3.0), 5.0)
             except Exception:
                 log.warning("vLLM did not shut down cleanly", exc_info=True)
         self.group.kill_members()

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.config import DomainFlags, JobConfig
+from actors.config import ConfigError, DomainFlags, JobConfig
 from actors.job_telemetry import JobTelemetry
 from actors.journal import FsyncPolicy, Journal
 from actors.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
@@ -141,11 +141,43 @@ class Job:
 
     # -------------------------------------------------------------------- the tree
     def model_config(self) -> dict[str, Any]:
+        model_dir = self.cfg.engine.vllm.model_dir
+        if self.cfg.engine.backend == "vllm" and model_dir:
+            # The served checkpoint fixes the policy's shape; the learner loads its weights.
+            from actors.hf_export import read_model_dir
+            shape, _ = read_model_dir(model_dir)
+            if shape["vocab_size"] < self.tokenizer.vocab_size:
+                raise ConfigError(f"engine.vllm.model_dir: its vocabulary ({shape['vocab_size']}"
+                                  f" tokens) is smaller than the tokenizer's "
+                                  f"({self.tokenizer.vocab_size})")
+            return shape
         return {"vocab_size": self.tokenizer.vocab_size, **self.cfg.model.model_dump()}
+
+    def _learner_init(self) -> dict[str, Any]:
+        vllm = self.cfg.engine.vllm
+        if self.cfg.engine.backend == "vllm" and vllm.model_dir:
+            return {"init_model_dir": vllm.model_dir}
+        return {}
+
+    def _engine_start(self, model: dict[str, Any], opts: dict[str, Any]) -> ActorStart:
+        """The start spec of one generation engine of the configured backend."""
+        cfg = self.cfg
+        if cfg.engine.backend == "vllm":
+            from actors.engine_vllm import VllmEngine
+            vllm = cfg.engine.vllm
+            options = {**opts, "num_gpus": vllm.num_gpus} if vllm.num_gpus else opts
+            return ActorStart(VllmEngine, args=(model,), kwargs=dict(
+                max_batch=cfg.engine.max_batch, seed=cfg.run.seed, model_dir=vllm.model_dir,
+                speculative_config=vllm.speculative_config, engine_args=dict(vllm.engine_args),
+                rpc_timeout_s=vllm.rpc_timeout_s, torch_threads=cfg.engine.torch_threads),
+                options=options, ready_timeout_s=vllm.start_timeout_s)
+        from actors.engine_torch import TorchEngine
+        return ActorStart(TorchEngine, args=(model,), kwargs=dict(
+            max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
+            seed=cfg.run.seed), options=opts)
 
     def build(self) -> SupervisionTree:
         from actors.coordinator import RolloutCoordinator
-        from actors.engine_torch import TorchEngine
         from actors.learner import Learner
 
         cfg, sup = self.cfg, self.cfg.supervision
@@ -164,15 +196,14 @@ class Job:
             rank=r, world_size=cfg.learner.num_ranks, master_port=master_port,
             temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
             lr_min_ratio=cfg.learner.lr_min_ratio, checkpoint_dir=str(self.run_dir.checkpoints),
-            checkpoint_keep=cfg.checkpoint.keep), options=opts),
+            checkpoint_keep=cfg.checkpoint.keep, **self._learner_init()), options=opts),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
-        engines = [ChildSpec(f"engine-{i}", ActorStart(TorchEngine, args=(model,), kwargs=dict(
-            max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
-            seed=cfg.run.seed), options=opts),
-            deadlines={"decode_step": cfg.engine.decode_deadline_s})
-            for i in range(cfg.engine.num_engines)]
+        engines = [ChildSpec(f"engine-{i}", self._engine_start(model, opts),
+                             deadlines={"decode_step": cfg.engine.decode_deadline_s},
+                             shutdown=15.0 if cfg.engine.backend == "vllm" else None)
+                   for i in range(cfg.engine.num_engines)]
         nodes = sorted(n["NodeID"] for n in alive_nodes())
         pool = SupervisorFlags("simple_one_for_one", intensity=sup.sandbox.intensity,
                                period=sup.sandbox.period)

@@ -33,14 +33,26 @@ __all__ = ["Learner", "TrainBatch"]
 class Learner(LearnerCore):
     """One learner rank; see :class:`~actors.learner_core.LearnerCore` for the contracts.
 
-    With ``checkpoint_dir``, a new incarnation restores the newest committed checkpoint
+    With ``init_model_dir`` (a GPT-2 directory, see :mod:`actors.hf_export`) the policy starts
+    from its weights instead of the seeded initialisation.  With ``checkpoint_dir``, a new
+    incarnation restores the newest committed checkpoint
     there before it serves (every rank loads the same one: one_for_all restarts them
     together), and :meth:`save_checkpoint` saves asynchronously into it.
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
-                 **kwargs: Any) -> None:
+                 init_model_dir: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if init_model_dir is not None:
+            # Start from the weights the vllm engines serve (a GPT-2 directory); a checkpoint,
+            # if any, replaces them below.
+            from actors.hf_export import read_model_dir
+            from actors.policy import load_numpy_state
+
+            _, weights = read_model_dir(init_model_dir)
+            load_numpy_state(self.model, weights)
+            if self.reference is not None:
+                self.reference = self._frozen_copy()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_keep = checkpoint_keep
         self._checkpointer: AsyncCheckpointer | None = None

@@ -179,6 +179,9 @@ class RolloutRunner:
         self.resumes: list[tuple[str, float, float]] = []
         self.tool_results_reused = 0
         self.tokens_regenerated = 0   # tokens an engine sent again after a failover
+        # (rollout id, turn, completion position, engine) of each turn continued from a
+        # prefix: after a failover, or when a replay resumes a journaled turn
+        self.continuations: list[tuple[str, int, int, str]] = []
         self._reported_failures: set[tuple[str, int]] = set()
         self._nonce = secrets.token_hex(3)
         self._attempts = itertools.count()
@@ -295,6 +298,7 @@ class RolloutRunner:
                 max_new_tokens=budget - len(tokens), seed=seed + turn,
                 temperature=self.sampling.temperature, prefix_ids=tuple(tokens),
                 chunk_tokens=self.sampling.chunk_tokens, trace=trace)
+            continued_at = len(tokens) if tokens else None
             try:
                 async for data in self.batcher.stream(engine, request.to_dict()):
                     chunk = TokenChunk.from_dict(data)
@@ -308,10 +312,18 @@ class RolloutRunner:
                         self.resumes.append((rollout_id, failed_at, time.monotonic()))
                         failed_at = None
                     if chunk.token_ids or chunk.finished:
-                        self.sink.record(Transition(TransitionKind.CHUNK, rollout_id, {
-                            "turn": turn, "start": chunk.start, "token_ids": chunk.token_ids,
-                            "logprobs": chunk.logprobs, "version": chunk.version,
-                            "finished": chunk.finished}))
+                        data = {"turn": turn, "start": chunk.start,
+                                "token_ids": chunk.token_ids, "logprobs": chunk.logprobs,
+                                "version": chunk.version, "finished": chunk.finished}
+                        if continued_at is not None:
+                            # Where this continuation began, and on which engine: a backend
+                            # without seeded resumption (vllm) samples a different but
+                            # equally distributed continuation from here.
+                            data.update(continued_at=continued_at, engine=engine.path)
+                            self.continuations.append((rollout_id, turn, continued_at,
+                                                       engine.path))
+                            continued_at = None
+                        self.sink.record(Transition(TransitionKind.CHUNK, rollout_id, data))
                     tokens += chunk.token_ids
                     logprobs += chunk.logprobs
                     versions += [chunk.version] * len(chunk.token_ids)

