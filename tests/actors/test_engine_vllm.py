@@ -241,3 +241,15 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_failed_vllm_start_is_a_start_failure_with_vllms_reason() -> None:
+    """vLLM refusing its configuration fails the child's start (which the supervisor counts
+    against the restart intensity, see test_core_conformance), with vLLM's reason."""
+    kwargs = {"initial_state": BASE, "engine_args": {"max_model_len": 4096}}
+    tree = SupervisionTree("tx", SupervisorFlags(intensity=1, period=600), [ChildSpec(
+        "engine", ActorStart(VllmEngine, args=(CONFIG.to_dict(),), kwargs=kwargs,
+                             ready_timeout_s=300))])
+    with pytest.raises(Exception, match="(?i)max_model_len|max model len|4096") as err:
+        tree.start()
+    assert "engine" in str(err.value)

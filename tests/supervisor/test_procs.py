@@ -67,3 +67,41 @@ def test_reaper_kills_registered_groups_when_the_host_goes_away() -> None:
     reaper.wait(timeout=10)
     keeper._reaper = None
     keeper.groups.clear()
+
+
+# A process that adopts its own group, lets a library-like multiprocessing spawn a child
+# (not through the keeper), prints both pids, then waits to be killed.
+OWN_GROUP_HOST = """
+import multiprocessing, os, sys, time
+from supervisor.procs import OwnGroup
+group = OwnGroup()
+group.keeper.declared_env["ERLAY_TEST_DECLARED"] = "yes"
+group.adopt()
+def child():
+    time.sleep(60)
+if __name__ == "__main__":
+    proc = multiprocessing.get_context("spawn").Process(target=child)
+    proc.start()
+    print(os.getpid(), proc.pid, group.members(), flush=True)
+    time.sleep(60)
+"""
+
+
+def test_own_group_children_die_with_a_sigkilled_leader() -> None:
+    host = subprocess.Popen([sys.executable, "-c", OWN_GROUP_HOST], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        assert host.stdout is not None
+        leader, child, members = host.stdout.readline().split(" ", 2)
+        leader_pid, child_pid = int(leader), int(child)
+        assert os.getpgid(child_pid) == leader_pid, "the spawned child joins the leader's group"
+        assert str(child_pid) in members
+        with open(f"/proc/{child_pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+        assert b"ERLAY_TEST_DECLARED=yes" in env, "declared variables reach spawned children"
+        os.kill(leader_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(child_pid), 10, what="the reaper killing the leader's group")
+    finally:
+        host.kill()
+        host.wait(timeout=10)
