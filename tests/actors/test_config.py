@@ -74,7 +74,7 @@ def test_indivisible_heads_are_explained() -> None:
 
 
 def test_vllm_backend_refuses_heads_its_attention_cannot_run() -> None:
-    with pytest.raises(ConfigError, match="head size .* at least 32"):
+    with pytest.raises(ConfigError, match=r"head size .* at least 32"):
         load_config(None, ["engine.backend=vllm", "model.d_model=96", "model.n_heads=4"])
     assert load_config(None, ["engine.backend=vllm", "model.d_model=128", "model.n_heads=4"])
 

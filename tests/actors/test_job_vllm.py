@@ -55,8 +55,8 @@ def test_job_on_vllm_survives_an_engine_core_kill(tmp_path: Path, fresh_ray: Non
                 try:
                     ref = job.tree.ref(ENGINE)
                     members = ray.get(ref.group_members.remote(), timeout=10)
-                    worker = ray.get(ref.processes.remote(), timeout=10)["workers"][0]["pid"]
-                    target = (psutil.Process(worker).ppid(), members)
+                    core = ray.get(ref.processes.remote(), timeout=10)["engine_core"]
+                    target = (int(core), members)
                 except Exception:  # not serving yet: look again
                     time.sleep(0.05)
                 continue
