@@ -76,7 +76,7 @@ def run(steps: int, parent: Path, name: str, kills: int, every_s: float,
     thread.start()
     killed_at: list[float] = []
     if kills:
-        _kill_on_schedule(job, kills, every_s, killed_at, thread, backend)
+        _kill_on_schedule(job, kills, every_s, killed_at, thread, backend, memory)
     thread.join()
     shutdown_ray()
     return results[0], job, memory, killed_at
@@ -92,28 +92,46 @@ def _victim(job: Job, path: str, backend: str) -> int:
 
 
 def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[float],
-                      thread: threading.Thread, backend: str = "torch") -> None:
-    """SIGKILL the busier engine every ``every_s`` seconds once RL is generating."""
+                      thread: threading.Thread, backend: str = "torch",
+                      memory: MemoryTransitions | None = None) -> None:
+    """SIGKILL an engine holding rollouts, at most every ``every_s`` seconds, once RL is
+    generating.  After each pause it waits until an engine holds rollouts that have streamed
+    some tokens (a prefix to resume from) while the other engine serves (somewhere to resume
+    on), then kills it at once: its pid is looked up ahead of time."""
     while thread.is_alive() and not job.run_dir.rl_steps():
         time.sleep(0.05)
+    victims: dict[tuple[str, int], int] = {}   # (path, incarnation) -> pid
     n = 0
     while thread.is_alive() and n < kills:
         time.sleep(every_s)
-        pool = job.coordinator.engines if job.coordinator else None
-        if pool is None:
-            continue
-        busy = sorted(ENGINES, key=lambda p: -pool._load.get(p, 0))
-        for path in busy:
-            if pool._load.get(path, 0) == 0:
-                continue  # only a kill that catches rollouts in flight tests replay
-            try:
-                pid = _victim(job, path, backend)
-            except Exception:  # restarting: try the other one
-                continue
-            os.kill(pid, signal.SIGKILL)
-            killed_at.append(time.monotonic())
-            n += 1
-            break
+        busy_since: dict[str, int] = {}   # chunks journaled when the engine became busy
+        while thread.is_alive():
+            pool = job.coordinator.engines if job.coordinator else None
+            chunks = len(memory.of(TransitionKind.CHUNK)) if memory is not None else 0
+            serving = {}
+            for path in ENGINES:
+                try:
+                    ref = job.tree.ref(path)
+                    key = (path, ref.incarnation)
+                    if key not in victims:
+                        victims[key] = _victim(job, path, backend)
+                    serving[path] = pool is not None and \
+                        pool._admitted.get(path) == ref.incarnation
+                    if not pool or not pool._load.get(path, 0):
+                        busy_since.pop(path, None)
+                    else:
+                        busy_since.setdefault(path, chunks)
+                except Exception:  # restarting: neither a target nor a refuge now
+                    serving[path] = False
+            target = next((victims[(p, job.tree.ref(p).incarnation)] for p in ENGINES
+                           if p in busy_since and chunks >= busy_since[p] + 4
+                           and all(serving.get(o) for o in ENGINES if o != p)), None)
+            if target is not None:
+                os.kill(target, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+                n += 1
+                break
+            time.sleep(0.002)
 
 
 def percentile(values: list[float], q: float) -> float:
