@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.timeout(900)]
 def test_job_on_vllm_survives_an_engine_core_kill(tmp_path: Path, fresh_ray: None) -> None:
     import ray
     cfg = load_config(CONFIGS / "vllm.yaml", [
-        "run.steps=6", "warm_start.steps=30", "engine.num_engines=2", "engine.chunk_tokens=1",
+        "run.steps=4", "warm_start.steps=20", "engine.num_engines=2", "engine.chunk_tokens=1",
         "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_staleness=0",
         "ray.num_cpus=4", f"run.run_dir={tmp_path}"])
     memory = MemoryTransitions()
@@ -77,7 +77,7 @@ def test_job_on_vllm_survives_an_engine_core_kill(tmp_path: Path, fresh_ray: Non
     killer.join(timeout=5)
     assert killed, "the EngineCore was never caught holding rollouts"
     assert result.status == "finished", result.reason
-    assert [m["step"] for m in job.run_dir.rl_steps()] == list(range(6))
+    assert [m["step"] for m in job.run_dir.rl_steps()] == list(range(4))
 
     events = read_events(job.run_dir.events)
     assert any(e.context is EventKind.RESTART and e.child == "engine-0" for e in events)
