@@ -50,6 +50,8 @@ class ModelSection(Section):
     n_heads: int = Field(4, ge=1)
     d_ff: int = Field(512, ge=8)
     max_seq_len: int = Field(96, ge=8, description="longest prompt + completion, in tokens")
+    mtp_heads: int = Field(0, ge=0, description="multi-token-prediction heads that draft "
+                           "tokens for the torch engine's speculative decoding (0 = none)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSection:
@@ -96,6 +98,14 @@ class EngineSection(Section):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
     chunk_tokens: int = Field(8, ge=1, description="stream a chunk at least this often")
     decode_deadline_s: float = Field(30.0, gt=0, description="hang deadline of a decode step")
+    spec_k: int = Field(0, ge=0, description="torch engine: tokens drafted per step by the MTP "
+                        "heads and verified in one pass (0 = no speculation)")
+    spec_max_concurrency: int = Field(0, ge=0, description="speculate only while at most "
+                                      "this many requests run, i.e. in the batch's long tail "
+                                      "(0 = always)")
+    spec_verify: Literal["coupled", "rejection"] = Field(
+        "coupled", description="draft verification: coupled (token-identical to plain "
+        "decoding, keeps replay exact) or rejection (speculative sampling)")
     vllm: VllmSection = VllmSection()
 
 
@@ -107,6 +117,8 @@ class LearnerSection(Section):
     lr_min_ratio: float = Field(0.1, gt=0, le=1, description="final learning rate / lr")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    mtp_loss_weight: float = Field(0.0, ge=0, description="weight of the MTP heads' "
+                                   "cross-entropy beside the RL loss (trains the heads only)")
     clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip")
     is_cap: float = Field(2.0, ge=1.0, description="truncated importance-weight cap")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0 = off)")
@@ -273,6 +285,13 @@ class JobConfig(Section):
     supervision: SupervisionSection = SupervisionSection()
     telemetry: TelemetrySection = TelemetrySection()
     node: NodeSection = NodeSection()
+
+    @model_validator(mode="after")
+    def _speculation(self) -> JobConfig:
+        if self.engine.spec_k > self.model.mtp_heads:
+            raise ValueError(f"engine.spec_k {self.engine.spec_k} needs at least that many "
+                             f"MTP heads; model.mtp_heads is {self.model.mtp_heads}")
+        return self
 
     @model_validator(mode="after")
     def _vllm_head_size(self) -> JobConfig:

@@ -59,6 +59,12 @@ def demonstration_tokens(pairs: list[tuple[str, str]],
     return out
 
 
+def _length_tail(lengths: list[int]) -> dict[str, Any]:
+    from actors.tail import percentile
+    return {"gen_len_p50": percentile(lengths, 0.5), "gen_len_p90": percentile(lengths, 0.9),
+            "gen_len_max": max(lengths, default=None)}
+
+
 def tokens_digest(trajectories: list[Trajectory]) -> str:
     """A short digest of every completion of a step, by rollout id: two runs that generated
     the same tokens (the replay invariant) have the same digests."""
@@ -148,6 +154,7 @@ class RolloutCoordinator:
             step_started = time.monotonic()
             trajectories, gen_seconds = await generation.pop(n)
             gen_wait = time.monotonic() - step_started
+            tails = await self._engine_tails()
             batch, dropped = self._batch(n, trajectories)
             train_started = time.monotonic()
             metrics = await self._train(batch, n)
@@ -163,14 +170,39 @@ class RolloutCoordinator:
             # Report before checkpointing: a checkpoint may let the journal compact this
             # step's rollouts, and a successor reports unreported steps from the journal.
             if n > self.reported_upto:
-                self._report_step(n, trajectories, dropped, metrics, gen_seconds, gen_wait,
-                                  train_seconds, time.monotonic() - step_started)
+                self._report_step(n, trajectories, dropped, {**metrics, **tails}, gen_seconds,
+                                  gen_wait, train_seconds, time.monotonic() - step_started)
                 self.reported_upto = n
             if (n + 1) % cfg.checkpoint.every_steps == 0 or n + 1 == steps:
                 self.checkpoint_exposed_s.append(await self._checkpoint())
             n += 1
         await self._learner_call("wait_checkpoints")
         self.progress.end()
+
+    async def _engine_tails(self) -> dict[str, Any]:
+        """The torch engines' tail reports since the last step (actors.tail), merged:
+        decode steps at low concurrency, their mean concurrency, draft acceptance.  Empty
+        for the vllm backend, and for an engine that is restarting."""
+        if self.cfg.engine.backend != "torch" or self.engines is None:
+            return {}
+        reports = []
+        for ref in self.engines.refs:
+            try:
+                reports.append(await asyncio.wait_for(ref.actor.tail_report.remote(), 5.0))
+            except Exception:  # noqa: BLE001 - a report is optional; a restart is not news here
+                continue
+        tail = [r for r in reports if r["tail_steps"]]
+        drafted = sum(r["drafted"] for r in reports)
+        return {
+            "engine_tail_steps": sum(r["tail_steps"] for r in reports),
+            "engine_tail_concurrency_mean": round(
+                sum(r["tail_concurrency_mean"] * r["tail_steps"] for r in tail)
+                / max(1, sum(r["tail_steps"] for r in tail)), 3) if tail else None,
+            "engine_tail_spec_steps": sum(r["spec_steps"] for r in reports),
+            "engine_tail_acceptance": round(sum(
+                (r["acceptance"] or 0) * r["drafted"] for r in reports) / drafted, 4)
+            if drafted else None,
+        }
 
     async def _restore_or_warm_start(self) -> int:
         """The step to train next.  A learner that is past its warm start (restored from a
@@ -382,4 +414,8 @@ class RolloutCoordinator:
             "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
             "tokens_digest": tokens_digest(trajectories),
             "recovered": bool(metrics.get("recovered", False)),
+            # The step's generation-length tail: what its slowest rollouts cost (issue of
+            # speculative decoding; the engines' tail_report has the concurrency side).
+            **_length_tail([t.generated_tokens for t in trajectories]),
+            **{k: v for k, v in metrics.items() if k.startswith(("mtp_", "engine_tail_"))},
         })

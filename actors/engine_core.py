@@ -18,10 +18,12 @@ Batch invariants (what ``admit`` and ``step`` keep true between calls):
 - row ``i``'s cache holds exactly ``len(rows[i].context)`` tokens, and ``_next_logits[i]`` is
   its distribution for completion position ``rows[i].position``.
 
-Sampling uses :func:`actors.sampling.sample_token_f64` with the request's seed and the
-completion position, so the tokens a request gets do not depend on what else is in the batch,
-on whether the cache was used, or on which engine resumed it (up to float32 rounding of the
-logits, which moves a sampled token only if ``u`` lands within ~1e-7 of a CDF boundary).
+Sampling uses :func:`actors.sampling.sample_rows` (row by row, exactly
+:func:`~actors.sampling.sample_token_f64`) with the request's seed and the completion
+position, so the tokens a request gets do not depend on what else is in the batch, on whether
+speculation drafted them (coupled verification), on whether the cache was used, or on which
+engine resumed it (up to float32 rounding of the logits, which moves a sampled token only if
+``u`` lands within ~1e-7 of a CDF boundary).
 
 Every method runs under ``torch.inference_mode()`` itself, because inference mode is
 thread-local and the engine calls these methods from a worker thread.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from actors.engine_api import (
@@ -40,8 +43,9 @@ from actors.engine_api import (
     InvalidRequest,
     TokenChunk,
 )
+from actors.mtp import Verify, draft_token, verify_draft
 from actors.policy import KVCache, PolicyModel, left_pad
-from actors.sampling import sample_token_f64
+from actors.sampling import sample_rows
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
@@ -76,6 +80,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.closed = False           # the final chunk has been taken
         self.abort_requested = False  # set by anyone; applied by the batch owner between steps
+        # The next token and its logprob, already chosen by a speculative verification (the
+        # rejection rule's residual draw); the batch records it instead of sampling.
+        self.forced: tuple[int, float] | None = None
         if request.prefix_ids and request.prefix_ids[-1] in request.stop_ids:
             # The completion already ended before the interruption; nothing left to generate.
             self.finish_reason = FinishReason.STOP
@@ -173,6 +180,9 @@ class DecodeBatch:
         self._cache: KVCache | None = None
         self._mask: torch.Tensor | None = None          # [B, S] real-token mask of the cache
         self._next_logits: torch.Tensor | None = None   # [B, V]
+        self._next_hidden: torch.Tensor | None = None   # [B, D]: what produced them
+        self.drafted = 0    # MTP drafts proposed, and accepted, since the batch was made
+        self.accepted = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -185,10 +195,13 @@ class DecodeBatch:
         if any(s.finished for s in seqs):
             raise ValueError("a finished sequence cannot be admitted")
         tokens, positions, mask = left_pad([s.context for s in seqs])
-        logits, cache = self.model(tokens, positions, mask)
-        next_logits = logits[:, -1]
-        if self._cache is None or self._mask is None or self._next_logits is None:
-            self._cache, self._mask, self._next_logits = cache, mask, next_logits
+        hidden, cache = self.model.hidden(tokens, positions, mask)
+        next_hidden = hidden[:, -1]
+        next_logits = self.model.head(next_hidden)
+        if self._cache is None or self._mask is None or self._next_logits is None \
+                or self._next_hidden is None:
+            self._cache, self._mask = cache, mask
+            self._next_logits, self._next_hidden = next_logits, next_hidden
         else:
             width = max(self._mask.shape[1], mask.shape[1])
             old_cache, old_mask = _pad_left(self._cache, self._mask, width)
@@ -197,27 +210,47 @@ class DecodeBatch:
                            for (ko, vo), (kn, vn) in zip(old_cache, new_cache, strict=True)]
             self._mask = torch.cat([old_mask, new_mask])
             self._next_logits = torch.cat([self._next_logits, next_logits])
+            self._next_hidden = torch.cat([self._next_hidden, next_hidden])
         self.rows.extend(seqs)
 
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:
+    def step(self, k: int = 0, verify: Verify = "coupled") -> list[Sequence]:
         """Sample one token for every row, then advance the rows that go on by one position.
+        With ``k > 0`` and MTP heads, each row also drafts up to ``k`` more tokens, verified in
+        the same forward pass (:meth:`_speculate`; the rules are in :mod:`actors.mtp`).
 
         Returns the sequences that finished in this step (already removed from the batch).
         """
         if not self.rows:
             return []
+        if k > 0 and len(self.model.mtp) > 0:
+            return self._speculate(min(k, len(self.model.mtp)), verify)
         assert self._next_logits is not None
-        logits = self._next_logits.to(torch.float64).numpy()
-        for i, seq in enumerate(self.rows):
-            req = seq.request
-            token, logprob = sample_token_f64(logits[i], req.temperature, req.seed,
-                                              seq.position)
-            seq.record(token, logprob)
+        self._sample_next()
         finished = self.drop_finished()
         if self.rows:
             self._advance()
         return finished
+
+    def _sample_next(self) -> None:
+        """Record each row's next token: sampled from its pending logits, or the token a
+        rejected draft's verification already chose (``Sequence.forced``)."""
+        assert self._next_logits is not None
+        logits = self._next_logits.to(torch.float64).numpy()
+        tokens, logprobs = self._sample(logits, self.rows, [s.position for s in self.rows])
+        for i, seq in enumerate(self.rows):
+            if seq.forced is not None:
+                seq.record(*seq.forced)
+                seq.forced = None
+            else:
+                seq.record(int(tokens[i]), float(logprobs[i]))
+
+    @staticmethod
+    def _sample(logits: np.ndarray, seqs: list[Sequence],
+                positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``i`` of ``logits`` sampled for ``seqs[i]`` at ``positions[i]``."""
+        return sample_rows(logits, np.array([s.request.temperature for s in seqs]),
+                           [s.request.seed for s in seqs], positions)
 
     def _advance(self) -> None:
         assert self._cache is not None and self._mask is not None
@@ -227,9 +260,116 @@ class DecodeBatch:
         positions = torch.tensor([[len(s.request.prompt_ids) + s.position - 1]
                                   for s in self.rows], dtype=torch.long)
         mask = torch.cat([self._mask, self._mask.new_ones((len(self.rows), 1))], dim=1)
-        logits, self._cache = self.model(tokens, positions, mask, self._cache)
+        hidden, self._cache = self.model.hidden(tokens, positions, mask, self._cache)
         self._mask = mask
-        self._next_logits = logits[:, -1]
+        self._next_hidden = hidden[:, -1]
+        self._next_logits = self.model.head(self._next_hidden)
+
+    def _speculate(self, k: int, verify: Verify) -> list[Sequence]:
+        """One speculative step: sample each row's next token ``x0`` as :meth:`step` does,
+        draft up to ``k`` tokens after it with the MTP heads, feed ``x0`` and the drafts
+        through the model in one pass (one cache slot each), and keep the drafts the base
+        model's verification accepts, up to the first rejection.
+
+        The rejected drafts' slots stay in the cache, masked out of every later attention,
+        so rows can accept different numbers of drafts.  A rejection's replacement token is
+        not recorded here: the row's next logits are those that follow its last accepted
+        token, and the next step samples the replacement from them as plain decoding would.
+        """
+        self._sample_next()
+        finished = self.drop_finished()
+        if not self.rows:
+            return finished
+        assert self._cache is not None and self._mask is not None \
+            and self._next_hidden is not None
+        cfg = self.model.cfg
+        # Each row drafts no further than its token budget and the model's context allow.
+        budgets = [max(0, min(k, s.request.max_new_tokens - s.generated,
+                              cfg.max_seq_len - len(s.context))) for s in self.rows]
+        h = self._next_hidden
+        token = torch.tensor([s.completion[-1] for s in self.rows], dtype=torch.long)
+        drafts: list[list[int]] = [[] for _ in self.rows]
+        draft_logits: list[np.ndarray] = []
+        for j in range(k):
+            h, q = self.model.draft_step(j, h, token)
+            q64 = q.to(torch.float64).numpy()
+            draft_logits.append(q64)
+            if verify == "coupled":   # the draw plain decoding makes at that position
+                drawn = self._sample(q64, self.rows, [s.position + j for s in self.rows])[0]
+            else:
+                drawn = [draft_token(q64[i], s.request.temperature, s.request.seed,
+                                     s.position + j, verify) for i, s in enumerate(self.rows)]
+            for i in range(len(self.rows)):
+                drafts[i].append(int(drawn[i]))
+            token = torch.tensor([d[-1] for d in drafts], dtype=torch.long)
+        fed = torch.tensor([[s.completion[-1], *d] for s, d in zip(self.rows, drafts,
+                                                                   strict=True)])
+        base = torch.tensor([[len(s.context) - 1] for s in self.rows])
+        positions = (base + torch.arange(k + 1)[None, :]).clamp(max=cfg.max_seq_len - 1)
+        mask = torch.cat([self._mask, self._mask.new_ones((len(self.rows), k + 1))], dim=1)
+        hidden, self._cache = self.model.hidden(fed, positions, mask, self._cache)
+        p64 = self.model.head(hidden).to(torch.float64).numpy()
+        if verify == "coupled":
+            return finished + self._accept_coupled(k, drafts, budgets, p64, hidden, mask)
+        keep = []
+        for i, seq in enumerate(self.rows):
+            req, accepted = seq.request, 0
+            for j in range(budgets[i]):
+                tok, logprob, ok = verify_draft(p64[i, j], draft_logits[j][i], drafts[i][j],
+                                                req.temperature, req.seed, seq.position,
+                                                verify)
+                self.drafted += 1
+                if not ok:
+                    # Coupled: the replacement is what the next step samples anyway.
+                    # Rejection: it was drawn from the residual, so the next step must
+                    # take it as its token instead of sampling (it is not in the cache).
+                    if verify == "rejection":
+                        seq.forced = (tok, logprob)
+                    break
+                self.accepted += 1
+                accepted += 1
+                seq.record(tok, logprob)
+                if seq.finished:
+                    break
+            keep.append(accepted)
+            mask[i, mask.shape[1] - k + accepted:] = False    # the unaccepted drafts' slots
+        self._mask = mask
+        rows = torch.arange(len(self.rows))
+        last = torch.tensor(keep)
+        self._next_hidden = hidden[rows, last]
+        self._next_logits = self.model.head(self._next_hidden)
+        return finished + self.drop_finished()
+
+    def _accept_coupled(self, k: int, drafts: list[list[int]], budgets: list[int],
+                        p64: np.ndarray, hidden: torch.Tensor,
+                        mask: torch.Tensor) -> list[Sequence]:
+        """Coupled verification for every row and draft at once: the base model's own draw at
+        each drafted position (one vectorised sample); a row keeps its drafts up to the first
+        that differs from that draw, its budget, or its stop token."""
+        n = len(self.rows)
+        rows = [s for s in self.rows for _ in range(k)]
+        positions = [s.position + j for s in self.rows for j in range(k)]
+        base, logprobs = self._sample(p64[:, :k].reshape(n * k, -1), rows, positions)
+        base, logprobs = base.reshape(n, k), logprobs.reshape(n, k)
+        keep = []
+        for i, seq in enumerate(self.rows):
+            accepted = 0
+            for j in range(budgets[i]):
+                self.drafted += 1
+                if int(base[i, j]) != drafts[i][j]:
+                    break
+                self.accepted += 1
+                accepted += 1
+                seq.record(drafts[i][j], float(logprobs[i, j]))
+                if seq.finished:
+                    break
+            keep.append(accepted)
+            mask[i, mask.shape[1] - k + accepted:] = False    # the unaccepted drafts' slots
+        self._mask = mask
+        last = torch.tensor(keep)
+        self._next_hidden = hidden[torch.arange(n), last]
+        self._next_logits = self.model.head(self._next_hidden)
+        return self.drop_finished()
 
     @torch.inference_mode()
     def drop_finished(self) -> list[Sequence]:
@@ -240,10 +380,10 @@ class DecodeBatch:
         gone = [s for s in self.rows if s.finished]
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self._cache = self._mask = self._next_logits = None
+            self._cache = self._mask = self._next_logits = self._next_hidden = None
             return gone
         assert self._cache is not None and self._mask is not None \
-            and self._next_logits is not None
+            and self._next_logits is not None and self._next_hidden is not None
         index = torch.tensor(keep, dtype=torch.long)
         mask = self._mask.index_select(0, index)
         # Columns that are padding in every remaining row are dead weight: trim them.
@@ -252,12 +392,15 @@ class DecodeBatch:
         self._cache = [(k.index_select(0, index)[:, :, first:],
                         v.index_select(0, index)[:, :, first:]) for k, v in self._cache]
         self._next_logits = self._next_logits.index_select(0, index)
+        self._next_hidden = self._next_hidden.index_select(0, index)
         return gone
 
     def release(self) -> list[Sequence]:
         """Empty the batch and return its sequences; re-admitting them prefills from scratch."""
         rows, self.rows = self.rows, []
-        self._cache = self._mask = self._next_logits = None
+        self._cache = self._mask = self._next_logits = self._next_hidden = None
+        for seq in rows:
+            seq.forced = None   # chosen under the weights being replaced: sample it again
         return rows
 
 

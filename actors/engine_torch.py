@@ -61,6 +61,7 @@ from actors.engine_api import (
 )
 from actors.engine_core import DecodeBatch, Sequence, validate_request
 from actors.policy import PolicyConfig, PolicyModel, load_numpy_state
+from actors.tail import TailWindow
 from supervisor import telemetry
 from supervisor.failpoints import afailpoint
 from supervisor.progress import Progress
@@ -116,9 +117,21 @@ class TorchEngine:
 
     def __init__(self, model_config: dict[str, Any], *, max_batch: int = 64,
                  torch_threads: int = 1, initial_state: dict[str, Any] | None = None,
-                 version: int = 0, seed: int = 0) -> None:
+                 version: int = 0, seed: int = 0, spec_k: int = 0,
+                 spec_max_concurrency: int = 0, spec_verify: str = "coupled") -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if spec_k and not model_config.get("mtp_heads"):
+            raise ValueError(f"spec_k {spec_k} needs a policy with MTP heads (mtp_heads > 0)")
+        if spec_verify not in ("coupled", "rejection"):
+            raise ValueError(f"spec_verify must be coupled or rejection, got {spec_verify!r}")
+        # Self-speculative decoding: draft spec_k tokens with the MTP heads, but only while
+        # at most spec_max_concurrency requests run (0: always).  At high concurrency a
+        # decode step is already busy; in the long tail of a batch it is not, and that is
+        # where drafting pays.
+        self.spec_k, self.spec_max_concurrency = spec_k, spec_max_concurrency
+        self.spec_verify = spec_verify
+        self._tail = TailWindow()
         # Explicit, because the engine shares a couple of cores with everything else.
         torch.set_num_threads(torch_threads)
         self.config = PolicyConfig(**model_config)
@@ -215,6 +228,14 @@ class TorchEngine:
 
     async def version(self) -> int:
         return self._version
+
+    async def tail_report(self) -> dict[str, Any]:
+        """The generation-length tail and the concurrency during it, since the last call
+        (see :class:`actors.tail.TailWindow`); the window starts afresh."""
+        batch = self._batch
+        report = self._tail.report(drafted=batch.drafted, accepted=batch.accepted)
+        self._tail = TailWindow(batch.drafted, batch.accepted)
+        return report
 
     async def stats(self) -> dict[str, Any]:
         c = self._counters
@@ -319,9 +340,17 @@ class TorchEngine:
             self.progress.tick()
         rows = list(batch.rows)
         self._counters.max_batch_size = max(self._counters.max_batch_size, len(rows))
-        await asyncio.to_thread(batch.step)
+        k = self.spec_k if self.spec_k and (not self.spec_max_concurrency
+                                            or len(rows) <= self.spec_max_concurrency) else 0
+        before = sum(seq.generated for seq in rows)
+        await asyncio.to_thread(batch.step, k, self.spec_verify)  # type: ignore[arg-type]
+        made = sum(seq.generated for seq in rows) - before
         self._counters.decode_steps += 1
-        self._counters.tokens_generated += len(rows)
+        self._counters.tokens_generated += made
+        self._tail.step(len(rows), made, k)
+        for seq in rows:
+            if seq.finished:
+                self._tail.finished(seq.generated)
         self.progress.tick()
         for seq in rows:
             self._publish(seq)

@@ -437,6 +437,7 @@ class VllmEngine:
             req.queue.put_nowait(self._final(req, FinishReason.ABORT))
 
     def _check_state(self, state: dict[str, Any]) -> None:
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}  # not served
         missing = sorted(set(self._shapes) - set(state))
         unexpected = sorted(set(state) - set(self._shapes))
         reshaped = sorted(k for k in set(self._shapes) & set(state)

@@ -66,6 +66,8 @@ def hf_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """``state`` (erlay names) in HF GPT-2 names and layout, as contiguous float arrays."""
     out: dict[str, np.ndarray] = {}
     for name, value in state.items():
+        if name.startswith("mtp."):
+            continue   # GPT-2 has no MTP heads; the torch engine's drafts are not served
         target, transposed = hf_name(name)
         array = np.asarray(value)
         out[target] = np.ascontiguousarray(array.T if transposed else array)
@@ -157,5 +159,5 @@ def read_model_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarr
     model_config = {"vocab_size": cfg["vocab_size"], "d_model": cfg["n_embd"],
                     "n_layers": cfg["n_layer"], "n_heads": cfg["n_head"],
                     "d_ff": cfg.get("n_inner") or 4 * cfg["n_embd"],
-                    "max_seq_len": cfg["n_positions"]}
+                    "max_seq_len": cfg["n_positions"], "mtp_heads": 0}
     return model_config, policy_state(load_file(str(weights_file)))

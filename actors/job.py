@@ -174,7 +174,9 @@ class Job:
         from actors.engine_torch import TorchEngine
         return ActorStart(TorchEngine, args=(model,), kwargs=dict(
             max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
-            seed=cfg.run.seed), options=opts)
+            seed=cfg.run.seed, spec_k=cfg.engine.spec_k,
+            spec_max_concurrency=cfg.engine.spec_max_concurrency,
+            spec_verify=cfg.engine.spec_verify), options=opts)
 
     def build(self) -> SupervisionTree:
         from actors.coordinator import RolloutCoordinator
@@ -195,7 +197,8 @@ class Job:
             torch_threads=cfg.learner.torch_threads, minibatches=cfg.learner.minibatches,
             rank=r, world_size=cfg.learner.num_ranks, master_port=master_port,
             temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
-            lr_min_ratio=cfg.learner.lr_min_ratio, checkpoint_dir=str(self.run_dir.checkpoints),
+            lr_min_ratio=cfg.learner.lr_min_ratio, mtp_loss_weight=cfg.learner.mtp_loss_weight,
+            checkpoint_dir=str(self.run_dir.checkpoints),
             checkpoint_keep=cfg.checkpoint.keep, **self._learner_init()), options=opts),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})

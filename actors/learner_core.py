@@ -40,6 +40,7 @@ import torch
 from torch import distributed as dist
 
 from actors.grpo import group_advantages, grpo_loss
+from actors.mtp import mtp_loss
 from actors.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
 from supervisor.progress import Progress
 
@@ -198,7 +199,8 @@ class LearnerCore:
                  minibatches: int = 1, rank: int = 0, world_size: int = 1,
                  master_addr: str = LOOPBACK, master_port: int = 29500,
                  dist_timeout_s: float = 120.0, temperature: float = 1.0,
-                 lr_decay_steps: int = 0, lr_min_ratio: float = 0.1) -> None:
+                 lr_decay_steps: int = 0, lr_min_ratio: float = 0.1,
+                 mtp_loss_weight: float = 0.0) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if minibatches < 1:
@@ -217,6 +219,8 @@ class LearnerCore:
         # The engines' sampling temperature: RL logprobs are scored under the same tempered
         # distribution as the behaviour logprobs, or the importance weights would be wrong.
         self.temperature = temperature
+        # MTP boosting: the heads train on every batch beside the policy (actors.mtp).
+        self.mtp_loss_weight = mtp_loss_weight if self.config.mtp_heads else 0.0
         self.lr_decay_steps, self.lr_min_ratio = lr_decay_steps, lr_min_ratio
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
@@ -302,6 +306,9 @@ class LearnerCore:
                                                                  prox, ref)
                 for key in _TOKEN_WEIGHTED:
                     sums[key] += stats.get(key, 0.0) * n_local
+                for key in stats:
+                    if key.startswith("mtp_"):   # the heads' loss and accuracy, per step
+                        sums[key] = sums.get(key, 0.0) + stats[key] * n_local
                 local_tokens += n_local
                 global_tokens += n_global
                 grad_norms.append(norm)
@@ -357,6 +364,10 @@ class LearnerCore:
                                                    [targets[i] for i in mine])
                     loss = -(logp * mask).sum()
                     loss_sum = float(loss.detach())
+                    if self.mtp_loss_weight:   # per target token, like the policy's term
+                        extra, _ = self._mtp_term([prompts[i] for i in mine],
+                                                  [targets[i] for i in mine])
+                        loss = loss + extra * n_local
                 n_global, total = self._all_sum([float(n_local), loss_sum])
                 if loss is not None:
                     (loss * (self.world_size / n_global)).backward()
@@ -414,7 +425,9 @@ class LearnerCore:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"learner state format {state.get('format')!r}, "
                              f"expected {STATE_FORMAT}")
-        if state["model_config"] != self.config.to_dict():
+        # Through PolicyConfig, so a checkpoint written before a field existed (mtp_heads)
+        # compares with that field's default.
+        if PolicyConfig(**state["model_config"]).to_dict() != self.config.to_dict():
             raise ValueError(f"checkpoint model config {state['model_config']} does not match "
                              f"this learner's {self.config.to_dict()}")
         with self._lock:
@@ -490,9 +503,25 @@ class LearnerCore:
         width = logp.shape[1]
         behaviour = pad_rows([tb.behaviour_logprobs[i] for i in chunk], width, torch.float32)
         trained = pad_rows([tb.token_mask(i) for i in chunk], width, torch.bool)
-        return grpo_loss(logp, prox, behaviour, advantages[chunk], token_mask & trained,
-                         clip_eps=self.clip_eps, is_cap=self.is_cap, kl_coef=self.kl_coef,
-                         ref_logp=ref)
+        loss, stats = grpo_loss(logp, prox, behaviour, advantages[chunk], token_mask & trained,
+                                clip_eps=self.clip_eps, is_cap=self.is_cap,
+                                kl_coef=self.kl_coef, ref_logp=ref)
+        if self.mtp_loss_weight:
+            extra, mtp_stats = self._mtp_term([tb.prompt_ids[i] for i in chunk],
+                                              [tb.completion_ids[i] for i in chunk])
+            loss = loss + extra
+            stats = {**stats, **mtp_stats}
+        return loss, stats
+
+    def _mtp_term(self, prompts: list[list[int]], completions: list[list[int]]
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+        """``mtp_loss_weight`` times the heads' mean cross-entropy (it trains the heads only:
+        see :func:`actors.mtp.mtp_loss`), and its statistics."""
+        total, count, accuracy = mtp_loss(self.model, prompts, completions)
+        mean = total / max(count, 1)
+        stats = {"mtp_loss": float(mean.detach())}
+        stats.update({f"mtp_acc{k + 1}": a for k, a in enumerate(accuracy) if a == a})
+        return self.mtp_loss_weight * mean, stats
 
     def _apply_gradients(self, tokens: int) -> float:
         """Average gradients over ranks, clip, step; returns the pre-clip global norm.
@@ -520,7 +549,14 @@ class LearnerCore:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        # The MTP heads are clipped on their own: one global norm would let their gradients
+        # scale the policy's step, and the heads must not change what RL trains.
+        named = list(self.model.named_parameters())
+        heads = [p for n, p in named if n.startswith("mtp.")]
+        norm = float(torch.nn.utils.clip_grad_norm_(
+            [p for n, p in named if not n.startswith("mtp.")], limit))
+        if heads:
+            torch.nn.utils.clip_grad_norm_(heads, limit)
         if not math.isfinite(norm):
             log.warning("learner rank %d: gradient norm %s, optimiser step skipped", self.rank,
                         norm)

@@ -30,10 +30,13 @@ class PolicyConfig:
     n_heads: int = 4
     d_ff: int = 512
     max_seq_len: int = 96
+    mtp_heads: int = 0   # multi-token-prediction modules (drafts for speculative decoding)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.mtp_heads < 0:
+            raise ValueError(f"mtp_heads must be >= 0, got {self.mtp_heads}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,8 +69,34 @@ class Block(nn.Module):
         return x, (k, v)
 
 
+class MTPModule(nn.Module):
+    """One multi-token-prediction module, in the style of DeepSeek-V3's: it combines the
+    previous depth's representation ``h`` of position ``t`` with the embedding of the token
+    at ``t + k`` and predicts the token at ``t + k + 1`` through the shared output head.
+    No attention: it reads only position ``t``, so drafting costs a few small matmuls."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__()
+        self.norm_h = nn.LayerNorm(cfg.d_model)
+        self.norm_e = nn.LayerNorm(cfg.d_model)
+        self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model)
+        self.norm = nn.LayerNorm(cfg.d_model)
+        # A narrow MLP (d_model wide, not d_ff): drafting runs k of these per decode step,
+        # so their cost is the speculation's overhead.
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.GELU(),
+                                 nn.Linear(cfg.d_model, cfg.d_model))
+        self.out = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """``h`` and ``emb`` are ``[..., D]``; returns the next depth's ``[..., D]``."""
+        z = self.proj(torch.cat([self.norm_h(h), self.norm_e(emb)], dim=-1))
+        return self.out(z + self.mlp(self.norm(z)))
+
+
 class PolicyModel(nn.Module):
-    """Decoder-only transformer with learned positions and an untied output head."""
+    """Decoder-only transformer with learned positions and an untied output head, plus
+    ``cfg.mtp_heads`` optional MTP modules (:class:`MTPModule`) that draft tokens t+2 ... for
+    speculative decoding; they never change the policy's own logits."""
 
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__()
@@ -77,6 +106,7 @@ class PolicyModel(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_heads))
         self.apply(self._init)
 
     @staticmethod
@@ -115,6 +145,13 @@ class PolicyModel(nn.Module):
         """Logits ``[B, T, V]`` and the updated cache."""
         h, new_cache = self.hidden(tokens, positions, key_mask, cache)
         return self.head(h), new_cache
+
+    def draft_step(self, k: int, h: torch.Tensor, token: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP module ``k`` (0-based) on ``h`` ``[B, D]`` and the tokens ``[B]`` at offset
+        ``k + 1``: (its representation ``[B, D]``, logits ``[B, V]`` of the token after)."""
+        nxt = self.mtp[k](h, self.embed(token))
+        return nxt, self.head(nxt)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

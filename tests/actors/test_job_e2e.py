@@ -47,13 +47,17 @@ def test_tool_use_calls_the_sandbox_and_observes_its_output(tmp_path: Path,
                                                             fresh_ray: None) -> None:
     cfg = load_config(CONFIGS / "tool_use.yaml", [
         "run.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        f"run.run_dir={tmp_path}", "ray.num_cpus=4"])
+        f"run.run_dir={tmp_path}", "ray.num_cpus=4",
+        # with MTP heads trained beside RL and self-speculation in the engine (issue 9)
+        "model.mtp_heads=2", "engine.spec_k=2", "learner.mtp_loss_weight=0.5"])
     transitions = MemoryTransitions()
     job = Job(cfg, RunDir.create(tmp_path, "tools"), transitions=transitions)
     result = job.run(progress=False)
     assert result.status == "finished", result.reason
     steps = job.run_dir.rl_steps()
     assert steps[-1]["sandbox_calls"] > 0
+    assert all(m["mtp_loss"] > 0 and "gen_len_p90" in m for m in steps)
+    assert sum(m["engine_tail_spec_steps"] for m in steps) > 0
     results = transitions.of(TransitionKind.TOOL_RESULT)
     assert results and any(t.data["result"]["outcome"] == "ok" for t in results)
     assert all(t.data["result"]["isolation"] for t in results)

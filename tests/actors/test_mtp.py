@@ -1,0 +1,134 @@
+"""MTP heads and self-speculative decoding in the built-in engine's core."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from actors.engine_api import GenerationRequest
+from actors.engine_core import DecodeBatch, Sequence, run_to_completion
+from actors.mtp import mtp_loss
+from actors.policy import PolicyConfig, PolicyModel
+
+CONFIG = PolicyConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                      max_seq_len=40, mtp_heads=4)
+
+
+def model(seed: int = 0) -> PolicyModel:
+    torch.manual_seed(seed)
+    m = PolicyModel(CONFIG).eval()
+    with torch.no_grad():   # a peaked policy, so drafts are sometimes right
+        m.head.weight.mul_(40.0)
+    return m
+
+
+def requests(n: int, temperature: float, new: int = 20) -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", (1, 3 + i % 5, 4), new, seed=100 + i,
+                              temperature=temperature, stop_ids=(2,)) for i in range(n)]
+
+
+def decode(m: PolicyModel, reqs: list[GenerationRequest], k: int,
+           verify: str = "coupled") -> tuple[list[Sequence], DecodeBatch]:
+    seqs = [Sequence(r) for r in reqs]
+    batch = DecodeBatch(m)
+    batch.admit(seqs)
+    while batch.rows:
+        batch.step(k, verify)  # type: ignore[arg-type]
+    return seqs, batch
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_coupled_speculation_is_token_identical_to_plain_decoding(temperature: float) -> None:
+    m = model()
+    plain = run_to_completion(m, requests(6, temperature))
+    for k in (1, 3, 4):
+        spec, batch = decode(m, requests(6, temperature), k)
+        assert [s.completion for s in spec] == [s.completion for s in plain], k
+        for a, b in zip(spec, plain, strict=True):
+            assert np.allclose(a._unstreamed_logprobs, b._unstreamed_logprobs, atol=1e-4)
+        assert batch.drafted > 0
+
+
+def test_trained_heads_raise_acceptance_and_the_loss_falls() -> None:
+    m = model()
+    prompts = [[1, 3 + i % 5, 4] for i in range(16)]
+    completions = [s.completion for s in run_to_completion(m, requests(16, 0.0))]
+    opt = torch.optim.Adam([p for p in m.mtp.parameters()], lr=3e-3)
+    _, before = decode(m, requests(16, 0.0), 4)
+    first = None
+    m.train()
+    for _ in range(150):
+        opt.zero_grad()
+        loss, n, _ = mtp_loss(m, prompts, completions)
+        (loss / n).backward()
+        opt.step()
+        first = first if first is not None else float(loss.detach() / n)
+    m.eval()
+    assert float(loss.detach() / n) < 0.5 * first
+    _, after = decode(m, requests(16, 0.0), 4)
+    assert after.accepted / after.drafted > max(0.5, before.accepted / before.drafted)
+
+
+def test_trunk_is_untouched_by_the_mtp_loss() -> None:
+    m = model()
+    loss, n, _ = mtp_loss(m, [[1, 3, 4]], [[5, 6, 7, 8, 9]])
+    (loss / n).backward()
+    grads = {name: p.grad for name, p in m.named_parameters()}
+    assert all(g is None for name, g in grads.items() if not name.startswith("mtp."))
+    assert all(g is not None for name, g in grads.items() if name.startswith("mtp."))
+
+
+def test_rejection_sampling_keeps_the_base_distribution() -> None:
+    """Tokens at drafted positions follow the base model's marginal (chi-square test)."""
+    m = model(1)
+    with torch.no_grad():
+        m.head.weight.div_(20.0)   # spread the distribution: a real test of the sampler
+    n = 3000
+    reqs = [GenerationRequest(f"s{i}", (1, 3, 4), 2, seed=i, temperature=1.0, stop_ids=())
+            for i in range(n)]
+    spec, batch = decode(m, reqs, 1, "rejection")
+    assert batch.drafted > n / 2
+    # Exact marginal of the second token: sum over the first.
+    with torch.no_grad():
+        from actors.policy import left_pad
+        t, pos, mask = left_pad([[1, 3, 4]])
+        p1 = torch.softmax(m(t, pos, mask)[0][0, -1].double(), -1)
+        ctx = [[1, 3, 4, x] for x in range(CONFIG.vocab_size)]
+        t, pos, mask = left_pad(ctx)
+        p2 = torch.softmax(m(t, pos, mask)[0][:, -1].double(), -1)
+    marginal = (p1[:, None] * p2).sum(0).numpy()
+    counts = Counter(s.completion[1] for s in spec)
+    observed = np.array([counts.get(x, 0) for x in range(CONFIG.vocab_size)])
+    expected = marginal * n
+    keep = expected >= 5
+    chi2 = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    # p < 0.001 critical value, Wilson-Hilferty approximation
+    z = 3.09
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < critical, (chi2, critical)
+
+
+def test_learner_trains_the_heads_beside_the_policy() -> None:
+    """The MTP loss joins the warm start and every RL step; the heads' accuracy rises."""
+    from actors.learner_core import LearnerCore
+
+    cfg = {**CONFIG.to_dict(), "mtp_heads": 2}
+    learner = LearnerCore(cfg, lr=3e-3, seed=0, mtp_loss_weight=1.0)
+    prompts = [[1, 3 + i % 4] for i in range(32)]
+    targets = [[4 + (i + j) % 6 for j in range(8)] + [2] for i in range(32)]
+    _, _, before = mtp_loss(learner.model, prompts, targets)
+    learner.sft(prompts, targets, steps=60, batch_size=16)
+    _, _, after = mtp_loss(learner.model, prompts, targets)
+    assert after[0] > max(0.8, before[0]) and after[1] > max(0.8, before[1])
+    plain = LearnerCore(cfg, lr=3e-3, seed=0, mtp_loss_weight=0.0)
+    plain.sft(prompts, targets, steps=60, batch_size=16)
+    # The heads do not move the policy: its weights train exactly as without the MTP loss.
+    for (name, a), (_, b) in zip(learner.model.named_parameters(),
+                                 plain.model.named_parameters(), strict=True):
+        if not name.startswith("mtp."):
+            assert torch.equal(a, b), name
