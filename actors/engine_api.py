@@ -20,6 +20,7 @@ Contracts that every backend keeps:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 from collections.abc import AsyncIterator
@@ -221,6 +222,24 @@ class EngineStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+async def drain_chunks(queue: asyncio.Queue[TokenChunk | BaseException],
+                       streams: int) -> AsyncIterator[list[dict[str, Any]]]:
+    """Yield the chunk dicts ``streams`` requests put on one shared ``queue``, batched as
+    they arrive, until every request has put its finished chunk: what ``generate_many``
+    streams.  An exception put on the queue is raised."""
+    while streams:
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        out = []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item.to_dict())
+            streams -= item.finished
+        yield out
 
 
 @runtime_checkable

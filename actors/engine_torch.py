@@ -58,6 +58,7 @@ from actors.engine_api import (
     InvalidRequest,
     TokenChunk,
     WeightsMismatch,
+    drain_chunks,
 )
 from actors.engine_core import DecodeBatch, Sequence, validate_request
 from actors.policy import PolicyConfig, PolicyModel, load_numpy_state
@@ -187,18 +188,8 @@ class TorchEngine:
             validate_request(request, self.config.vocab_size, self.config.max_seq_len)
         shared: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
         streams = [self._submit(request, shared) for request in parsed]
-        open_streams = len(streams)
         try:
-            while open_streams:
-                items = [await shared.get()]
-                while not shared.empty():
-                    items.append(shared.get_nowait())
-                out = []
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    out.append(item.to_dict())
-                    open_streams -= item.finished
+            async for out in drain_chunks(shared, len(streams)):
                 yield out
         finally:
             for stream in streams:

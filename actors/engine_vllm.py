@@ -66,6 +66,7 @@ from actors.engine_api import (
     InvalidRequest,
     TokenChunk,
     WeightsMismatch,
+    drain_chunks,
 )
 from actors.engine_core import validate_request
 from actors.hf_export import hf_state, read_model_dir, write_model_dir
@@ -212,18 +213,8 @@ class VllmEngine:
         shared: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
         reqs = [self._submit(request, shared) for request in parsed]
         tasks = [asyncio.create_task(self._serve(req)) for req in reqs]
-        open_streams = len(reqs)
         try:
-            while open_streams:
-                items = [await shared.get()]
-                while not shared.empty():
-                    items.append(shared.get_nowait())
-                out = []
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    out.append(item.to_dict())
-                    open_streams -= item.finished
+            async for out in drain_chunks(shared, len(reqs)):
                 yield out
         finally:
             for req in reqs:
