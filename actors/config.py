@@ -6,12 +6,14 @@ expected and what was given: an unknown key, a wrong type, a missing file, an en
 judge class that cannot be imported.
 
 Every option is documented on its field; ``configs/reference.yaml`` shows them all.
+
+May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges (the default
+plug-ins are named by import path).
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +21,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.imports import import_path
 
 
 class ConfigError(ErlayError):
@@ -45,10 +48,10 @@ class RaySection(Section):
 
 
 class ModelSection(Section):
-    d_model: int = Field(128, ge=8)
-    n_layers: int = Field(2, ge=1)
-    n_heads: int = Field(4, ge=1)
-    d_ff: int = Field(512, ge=8)
+    d_model: int = Field(128, ge=8, description="width of the policy's residual stream")
+    n_layers: int = Field(2, ge=1, description="transformer blocks")
+    n_heads: int = Field(4, ge=1, description="attention heads (must divide d_model)")
+    d_ff: int = Field(512, ge=8, description="width of each block's MLP")
     max_seq_len: int = Field(96, ge=8, description="longest prompt + completion, in tokens")
     mtp_heads: int = Field(0, ge=0, description="multi-token-prediction heads that draft "
                            "tokens for the torch engine's speculative decoding (0 = none)")
@@ -115,14 +118,15 @@ class LearnerSection(Section):
     lr_decay_steps: int = Field(0, ge=0, description="cosine-decay the RL learning rate over "
                                 "this many steps (0 = constant)")
     lr_min_ratio: float = Field(0.1, gt=0, le=1, description="final learning rate / lr")
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
     mtp_loss_weight: float = Field(0.0, ge=0, description="weight of the MTP heads' "
                                    "cross-entropy beside the RL loss (trains the heads only)")
     clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip")
     is_cap: float = Field(2.0, ge=1.0, description="truncated importance-weight cap")
     kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0 = off)")
-    minibatches: int = Field(1, ge=1)
+    minibatches: int = Field(1, ge=1, description="optimizer steps per RL step, each on a "
+                             "contiguous slice of the batch")
     torch_threads: int = Field(1, ge=1, description="torch threads of each learner process")
     train_deadline_s: float = Field(300.0, gt=0, description="hang deadline of a train step")
 
@@ -130,9 +134,9 @@ class LearnerSection(Section):
 class WarmStartSection(Section):
     steps: int = Field(30, ge=0, description="supervised steps on generated demonstrations "
                        "(kept short on purpose: RL must carry the reward)")
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, description="demonstrations per warm-start step")
     examples: int = Field(512, ge=1, description="demonstration episodes to draw from")
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, description="warm-start learning rate (Adam)")
 
 
 class RolloutSection(Section):
@@ -143,7 +147,7 @@ class RolloutSection(Section):
 
 
 class EnvironmentSection(Section):
-    cls: str = Field("environments.arithmetic:ArithmeticEnv", alias="class",
+    cls: str = Field("erlay.environments.arithmetic:ArithmeticEnv", alias="class",
                      description="environment as module:Class")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="environment arguments")
 
@@ -163,7 +167,7 @@ class SandboxSection(Section):
     @field_validator("limits")
     @classmethod
     def _valid_limits(cls, value: dict[str, Any]) -> dict[str, Any]:
-        from sandbox.limits import SandboxLimits
+        from erlay.sandbox.limits import SandboxLimits
         try:
             SandboxLimits(**value)
         except ValidationError as exc:
@@ -174,9 +178,10 @@ class SandboxSection(Section):
 
 
 class JudgeSection(Section):
-    cls: str = Field("judges.math:MathJudge", alias="class", description="judge as module:Class")
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    workers_per_node: int = Field(1, ge=1)
+    cls: str = Field("erlay.judges.math:MathJudge", alias="class",
+                     description="judge as module:Class")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="judge arguments")
+    workers_per_node: int = Field(1, ge=1, description="judge workers in each node's host")
     timeout_s: float = Field(5.0, gt=0, description="budget of one judgement")
     retries: int = Field(2, ge=0, description="retries of a failed judgement")
 
@@ -250,8 +255,10 @@ class NodeSection(Section):
 
 
 class DomainFlags(Section):
-    intensity: int = Field(5, ge=0)
-    period: float = Field(30.0, gt=0)
+    intensity: int = Field(5, ge=0, description="restarts allowed within period before the "
+                           "domain gives up and escalates (OTP's intensity)")
+    period: float = Field(30.0, gt=0, description="seconds of the intensity window (OTP's "
+                          "period)")
 
 
 class SupervisionSection(Section):
@@ -309,18 +316,12 @@ class JobConfig(Section):
 
 
 def _check_import_path(value: str) -> str:
-    module_name, sep, attr = value.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"an import path 'module:Class', got {value!r}")
+    """``value`` if it resolves (:func:`erlay.supervisor.imports.import_path`); else a
+    ValueError whose message is the resolver's one line (an old bare erlay path included)."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} ({exc})") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        import_path(value, "class")
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise ValueError(str(exc)) from None
     return value
 
 
@@ -371,6 +372,8 @@ def validate_config(data: dict[str, Any]) -> JobConfig:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
         lines = [_describe(err) for err in exc.errors()]
+        if len(lines) == 1:  # the common case reads as one line
+            raise ConfigError(f"invalid configuration: {lines[0]}") from None
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 

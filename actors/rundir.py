@@ -10,6 +10,8 @@
                          driver's metrics, with the default file exporter
         journal/, checkpoints/   the rollout journal and the learner's checkpoints
         report/          ``erlay report``'s Markdown and plots, when asked for
+
+May import: erlay.supervisor.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from supervisor.events import EventKind, read_events
+from erlay.supervisor.events import EventKind, read_events
 
 
 def reward_window(values: list[float], fraction: float = 0.1) -> tuple[float, float]:

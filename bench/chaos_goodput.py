@@ -17,18 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from erlay.chaos.invariants import rollout_step
+from erlay.chaos.report import percentiles
+from erlay.chaos.runner import ChaosResult, run_scenario
+from erlay.chaos.scenario import load_scenario
 
-from chaos.invariants import rollout_step  # noqa: E402
-from chaos.report import percentiles  # noqa: E402
-from chaos.runner import ChaosResult, run_scenario  # noqa: E402
-from chaos.scenario import load_scenario  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def figures(result: ChaosResult) -> dict[str, Any]:

@@ -31,18 +31,15 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from actors.checkpoint import AsyncCheckpointer, latest, load
-from actors.learner_core import LearnerCore
+from erlay.actors.learner.checkpoint import AsyncCheckpointer, latest, load
+from erlay.actors.learner.core import LearnerCore
 
 # Decoder-only policies of ~10M and ~100M parameters (embedding and head are 2 * 8192 * d).
 SIZES: dict[str, dict[str, int]] = {

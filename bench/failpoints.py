@@ -21,25 +21,21 @@ import asyncio
 import inspect
 import json
 import statistics
-import sys
 import textwrap
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from actors import engine_torch
-from actors.engine_api import GenerationRequest
-from actors.engine_torch import TorchEngine
-from actors.policy import PolicyConfig
-from actors.tokenizer import CharTokenizer
-from supervisor import failpoints
-from supervisor.failpoints import afailpoint, failpoint
+from erlay.actors.engine import torch_engine as engine_torch
+from erlay.actors.engine.api import GenerationRequest
+from erlay.actors.engine.torch_engine import TorchEngine
+from erlay.actors.model.policy import PolicyConfig
+from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.supervisor import failpoints
+from erlay.supervisor.failpoints import afailpoint, failpoint
 
 POINT = "generation.decode_step"
 CALL_SITE = f'await afailpoint("{POINT}")'

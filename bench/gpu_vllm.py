@@ -2,8 +2,8 @@
 
 Runs on one machine with no network: the model is erlay's policy made here (a GPT-2 layout,
 ~200M parameters on GPU), written once as a GPT-2 directory that every engine serves.  All
-engines are :class:`actors.engine_vllm.VllmEngine` actor children of one supervision tree.
-Prints a table, then one JSON object as the last stdout line:
+engines are :class:`erlay.actors.engine.vllm_engine.VllmEngine` actor children of one supervision
+tree. Prints a table, then one JSON object as the last stdout line:
 
 - ``engine_start_s``: from asking the supervisor to start an engine child until its first
   token comes back (the actor, vLLM's EngineCore, weights, KV cache, first request).
@@ -53,18 +53,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # loopback-only Ray
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from actors.engine_api import EngineFailed, GenerationRequest, TokenChunk
-from actors.engine_vllm import VllmEngine  # imports vllm only once an engine starts
-from supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
-from supervisor.tree import ChildRef, SupervisionTree
+from erlay.actors.engine.api import EngineFailed, GenerationRequest, TokenChunk
+from erlay.actors.engine.vllm_engine import VllmEngine  # imports vllm only once an engine starts
+from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
+from erlay.supervisor.tree import ChildRef, SupervisionTree
 
 log = logging.getLogger("erlay.bench.gpu_vllm")
 
@@ -144,7 +142,7 @@ def cycling_state(model: dict[str, int], period: int, seed: int) -> dict[str, np
     """
     import torch
 
-    from actors.policy import PolicyConfig, PolicyModel, state_to_numpy
+    from erlay.actors.model.policy import PolicyConfig, PolicyModel, state_to_numpy
 
     vocab = model["vocab_size"]
     if vocab % period:
@@ -404,8 +402,8 @@ def measure_spec(tree: SupervisionTree, plan: Plan, model_dir: str, budget: Budg
 def run(plan: Plan, budget: Budget, out: dict[str, Any]) -> None:
     """Every measurement in order; each one the deadline cuts or that fails is recorded in
     ``out["skipped"]`` / ``out["errors"]`` and its figures stay null."""
-    from actors.hf_export import write_model_dir
-    from supervisor.raylocal import ensure_ray
+    from erlay.actors.model.hf_export import write_model_dir
+    from erlay.supervisor.raylocal import ensure_ray
 
     state = cycling_state(plan.model, plan.period, SEED)
     out["model_params"] = int(sum(v.size for v in state.values()))
@@ -521,7 +519,7 @@ def main() -> None:
         log.exception("the run failed outside a measurement")
         out["errors"]["setup"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
-        from supervisor.raylocal import shutdown_ray
+        from erlay.supervisor.raylocal import shutdown_ray
 
         shutdown_ray()
         timer.cancel()

@@ -1,8 +1,8 @@
 """Benchmark of a seeded JIT cache: torch.compile of the policy, cold against warm.
 
-The policy is ``actors.policy.PolicyModel`` with the model section of ``configs/cpu.yaml``
-(and the character tokenizer's vocabulary), compiled with ``torch.compile`` (Inductor, C++
-codegen on CPU).  Each measurement runs in a FRESH Python process:
+The policy is ``erlay.actors.model.policy.PolicyModel`` with the model section of
+``configs/cpu.yaml`` (and the character tokenizer's vocabulary), compiled with ``torch.compile``
+(Inductor, C++ codegen on CPU).  Each measurement runs in a FRESH Python process:
 
 1. **cold**: an empty node-local cache directory (``JitCache.seed()`` finds no archive);
 2. the cold node's caches are archived with ``JitCache.elect()`` + ``JitCache.archive()``;
@@ -27,9 +27,10 @@ modules are a per-process cost (``compiler_import_s``, about 3 s here) that no c
 the node, so nothing reaches the warm run outside the archive; ``outside_cache_mb`` is what a
 child wrote there.
 
-The pair above runs with :data:`supervisor.jitcache.DEFAULT_FLAGS` (Inductor's precompiled C++
-header off).  A second pair, ``stock``, keeps Inductor's default (header on): its warm child
-rebuilds the 150 MB header, which lives outside the cache directory, before its first forward.
+The pair above runs with :data:`erlay.supervisor.node.jitcache.DEFAULT_FLAGS` (Inductor's
+precompiled C++ header off).  A second pair, ``stock``, keeps Inductor's default (header on): its
+warm child rebuilds the 150 MB header, which lives outside the cache directory, before its first
+forward.
 
 Also: ``seed_s`` (one sequential extraction), ``archive_s``, ``archive_mb``, and each child's
 whole wall time including interpreter start and ``import torch`` (``*_process_s``), which
@@ -53,10 +54,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from erlay.supervisor.node.jitcache import CacheSpec, JitCache
 
-from supervisor.jitcache import CacheSpec, JitCache  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
             ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
@@ -71,8 +71,8 @@ def child() -> None:
     import torch
     import torch._dynamo.utils
 
-    from actors.policy import PolicyConfig, PolicyModel, left_pad
-    from actors.tokenizer import CharTokenizer
+    from erlay.actors.model.policy import PolicyConfig, PolicyModel, left_pad
+    from erlay.actors.model.tokenizer import CharTokenizer
 
     imported = time.perf_counter()
     # The compiler's own modules: a per-process cost that no cache shortens, kept out of fwd_s.

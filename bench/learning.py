@@ -19,18 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from erlay.actors.config import load_config
+from erlay.actors.job.driver import Job
+from erlay.actors.rundir import RunDir, reward_window
+from erlay.supervisor.raylocal import shutdown_ray
 
-from actors.config import load_config  # noqa: E402
-from actors.job import Job  # noqa: E402
-from actors.rundir import RunDir, reward_window  # noqa: E402
-from supervisor.raylocal import shutdown_ray  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_job(config: Path, overrides: list[str], parent: Path, name: str) -> tuple[Any, RunDir]:

@@ -25,21 +25,19 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from erlay.actors.engine.api import GenerationRequest
+from erlay.actors.engine.core import DecodeBatch, Sequence
+from erlay.actors.engine.tail import TailWindow
+from erlay.actors.learner.core import LearnerCore
+from erlay.actors.model.policy import PolicyConfig, PolicyModel
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from actors.engine_api import GenerationRequest  # noqa: E402
-from actors.engine_core import DecodeBatch, Sequence  # noqa: E402
-from actors.learner_core import LearnerCore  # noqa: E402
-from actors.policy import PolicyConfig, PolicyModel  # noqa: E402
-from actors.tail import TailWindow  # noqa: E402
 
 EOS, FIRST = 2, 4          # ids below FIRST are special
 VOCAB, MAX_LEN = 40, 96

@@ -33,7 +33,6 @@ import logging
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -41,14 +40,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from erlay.actors.config import load_config
+from erlay.actors.job.driver import Job, JobResult
+from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.rundir import RunDir
+from erlay.supervisor.raylocal import shutdown_ray
 
-from actors.config import load_config  # noqa: E402
-from actors.job import Job, JobResult  # noqa: E402
-from actors.rundir import RunDir  # noqa: E402
-from actors.transitions import MemoryTransitions, TransitionKind  # noqa: E402
-from supervisor.raylocal import shutdown_ray  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ENGINES = ("erlay/generation/engine-0", "erlay/generation/engine-1")
 

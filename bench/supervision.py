@@ -15,17 +15,14 @@ import signal
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from supervisor.events import EventKind, MemorySink
-from supervisor.host import host_spec
-from supervisor.raylocal import ensure_ray, local_node_id
-from supervisor.spec import (
+from erlay.supervisor.events import EventKind, MemorySink
+from erlay.supervisor.host import host_spec
+from erlay.supervisor.raylocal import ensure_ray, local_node_id
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,
@@ -33,7 +30,7 @@ from supervisor.spec import (
     SupervisorFlags,
     SupervisorStart,
 )
-from supervisor.tree import SupervisionTree
+from erlay.supervisor.tree import SupervisionTree
 
 SLEEPER = ("import os, time\n"
            "os.write(int(os.environ['ERLAY_READY_FD']), b'ready\\n')\n"
@@ -45,7 +42,7 @@ class Target:
     """The child under test: answers with its pid."""
 
     def __init__(self) -> None:
-        from supervisor.progress import Progress
+        from erlay.supervisor.progress import Progress
         self.progress = Progress()
 
     def pid(self) -> int:

@@ -1,7 +1,7 @@
 """What a chaos run did to a job: one :class:`FaultRecord` per injected fault.
 
-The runner's injectors create the records, the invariants (:mod:`chaos.invariants`) judge the
-run against them and the report (:mod:`chaos.report`) lists them, so the shape is fixed here
+The runner's injectors create the records, the invariants (:mod:`erlay.chaos.invariants`) judge the
+run against them and the report (:mod:`erlay.chaos.report`) lists them, so the shape is fixed here
 and validated at construction: a record with an unknown kind, domain or expectation is a bug
 in the scenario or the injector, and it fails at once with :class:`InvalidFaultRecord` rather
 than quietly matching nothing later.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 KINDS = ("sigkill", "sigstop", "sigterm", "ray_kill", "node_loss", "failpoint",
          "sandbox_attack", "judge_fault", "slow_checkpoint", "driver_kill")

@@ -1,8 +1,8 @@
 """External fault injectors: what the chaos runner does to a running job.
 
-Each injector acts on one running :class:`~actors.job.Job` through its supervision tree and
-returns the :class:`~chaos.faults.FaultRecord` of what it did, stamped with the time it acted.
-Targets are tree paths or glob patterns over them (``erlay/generation/engine-*``); a
+Each injector acts on one running :class:`~erlay.actors.job.driver.Job` through its supervision tree
+and returns the :class:`~erlay.chaos.faults.FaultRecord` of what it did, stamped with the time it
+acted. Targets are tree paths or glob patterns over them (``erlay/generation/engine-*``); a
 pattern picks one matching child, round robin, so repeated faults spread over the domain.
 
 Every injector targets only this machine: signals go to pids the tree reports for this node,
@@ -23,9 +23,9 @@ from typing import Any
 
 import ray
 
-from actors.job import Job
-from chaos.faults import FaultRecord, domain_of
-from supervisor import failpoints
+from erlay.actors.job.driver import Job
+from erlay.chaos.faults import FaultRecord, domain_of
+from erlay.supervisor import failpoints
 
 log = logging.getLogger("erlay.chaos")
 

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.rundir import reward_window
-from chaos.faults import FaultRecord, domain_of
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.actors.rundir import reward_window
+from erlay.chaos.faults import FaultRecord, domain_of
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 # How long after a fault its detection may come.  Hangs are found by progress deadlines, so
 # this must exceed the longest deadline a scenario arms.

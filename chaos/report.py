@@ -1,12 +1,12 @@
 """The chaos report: what was injected, what the tree did about it, and what it cost.
 
-:func:`build_report` turns one run's :class:`~chaos.invariants.RunObservation` and verdicts
+:func:`build_report` turns one run's :class:`~erlay.chaos.invariants.RunObservation` and verdicts
 into plain JSON-able data; :func:`render_markdown` makes the readable ``chaos-report.md`` from
 that data alone, so the JSON is the record and the markdown only a view of it.
 
 Definitions the numbers rest on:
 
-- a fault is *detected* when an event answers it (:func:`chaos.invariants.match_fault`): the
+- a fault is *detected* when an event answers it (:func:`erlay.chaos.invariants.match_fault`): the
   target's exit or hang, or the domain's escalation;
 - a fault is *recovered* when the child that was detected failing STARTs again afterwards
   (for an escalation: the escalating supervisor starts again); an absorbed fault is
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos.faults import domain_of
-from chaos.invariants import (
+from erlay.chaos.faults import domain_of
+from erlay.chaos.invariants import (
     DETECTION_WINDOW_S,
     FaultMatch,
     RunObservation,
@@ -35,7 +35,7 @@ from chaos.invariants import (
     distinct_steps,
     match_fault,
 )
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 REPORT_JSON = "chaos-report.json"
 REPORT_MD = "chaos-report.md"

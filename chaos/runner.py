@@ -31,19 +31,19 @@ from typing import Any
 
 import psutil
 
-from actors.config import JobConfig, load_config
-from actors.job import Job, JobResult
-from actors.journal import Journal
-from actors.rundir import RunDir
-from actors.transitions import MemoryTransitions, TransitionKind
-from chaos.faults import FaultRecord
-from chaos.injectors import FAILPOINT_HOMES, Injector
-from chaos.invariants import RunObservation, Verdict, check_all
-from chaos.report import build_report, goodput, write_report
-from chaos.scenario import ATTACKS, FaultSpec, Scenario, schedule
-from supervisor import failpoints
-from supervisor.events import read_events
-from supervisor.raylocal import shutdown_ray
+from erlay.actors.config import JobConfig, load_config
+from erlay.actors.job.driver import Job, JobResult
+from erlay.actors.journal.store import Journal
+from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.rundir import RunDir
+from erlay.chaos.faults import FaultRecord
+from erlay.chaos.injectors import FAILPOINT_HOMES, Injector
+from erlay.chaos.invariants import RunObservation, Verdict, check_all
+from erlay.chaos.report import build_report, goodput, write_report
+from erlay.chaos.scenario import ATTACKS, FaultSpec, Scenario, schedule
+from erlay.supervisor import failpoints
+from erlay.supervisor.events import read_events
+from erlay.supervisor.raylocal import shutdown_ray
 
 log = logging.getLogger("erlay.chaos")
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
     if env_faults:
         # Armed in every process of the job from its first instruction (a crash loop): a
         # job-level runtime env reaches every Ray worker; the driver stays unarmed.
-        from supervisor.raylocal import ensure_ray
+        from erlay.supervisor.raylocal import ensure_ray
         ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                    runtime_env={"env_vars": {
                        failpoints.ENV_VAR: failpoints.env_value(env_faults)}})
@@ -284,7 +284,7 @@ def _start_cluster(scenario: Scenario) -> Any:
     import ray
     from ray.cluster_utils import Cluster
 
-    import supervisor.raylocal  # noqa: F401 - sets the loopback-only variable before Ray
+    import erlay.supervisor.raylocal  # noqa: F401 - sets the loopback-only variable before Ray
     if ray.is_initialized():
         shutdown_ray()
     spec = scenario.multinode
@@ -306,7 +306,8 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
     cfg = job_config(scenario, config, parent / f"{scenario.name}-{name}")
     fault = next(f for f in scenario.faults if f.inject == "driver_kill")
     delay = fault.at if fault.at is not None else 5.0
-    args = [sys.executable, "-m", "actors.cli", "run", str(config or scenario.config_path),
+    args = [sys.executable, "-m", "erlay.supervisor.cli", "run",
+            str(config or scenario.config_path),
             *scenario.overrides, f"run.run_dir={parent / f'{scenario.name}-{name}'}",
             "--no-progress"]
     before = _process_snapshot()
@@ -324,7 +325,7 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    resumed = subprocess.run([sys.executable, "-m", "actors.cli", "run", "--resume",
+    resumed = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "run", "--resume",
                               str(run_path), "--no-progress"], cwd=ROOT, capture_output=True,
                              text=True, timeout=scenario.duration_s + 300)
     wall_s = time.time() - started
@@ -352,7 +353,7 @@ def _wait_for_rundir(parent: Path, proc: subprocess.Popen[bytes], bound: float) 
 
 
 def _consumed(rid: str, step: int) -> Any:
-    from actors.transitions import Transition
+    from erlay.actors.journal.transitions import Transition
     return Transition(TransitionKind.CONSUMED, rid, {"step": step})
 
 

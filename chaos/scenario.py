@@ -7,7 +7,7 @@ what was expected and what was given, with a did-you-mean for unknown keys and n
 
 What load time checks, beyond the types:
 
-- the job config exists and accepts the scenario's overrides (``actors.config.load_config``);
+- the job config exists and accepts the scenario's overrides (``erlay.actors.config.load_config``);
 - every target is a child of the job's tree (:func:`job_tree_paths`), a known failpoint, a
   worker node of ``multinode``, or the driver, as its ``inject`` requires;
 - each fault has exactly one timing form and the per-inject ``params`` it needs;
@@ -46,9 +46,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticKnownError
 
-import configs
-from actors.config import ConfigError, JobConfig, load_config
-from chaos.scenario_errors import (
+from erlay import configs
+from erlay.actors.config import ConfigError, JobConfig, load_config
+from erlay.chaos.scenario_errors import (
     NOTHING,
     Problem,
     ScenarioError,
@@ -59,8 +59,8 @@ from chaos.scenario_errors import (
     relocated,
     type_at,
 )
-from chaos.schedule import schedule, schedule_problems
-from supervisor.failpoints import KNOWN, FailpointSpec
+from erlay.chaos.schedule import schedule, schedule_problems
+from erlay.supervisor.failpoints import KNOWN, FailpointSpec
 
 __all__ = ["ATTACKS", "INVARIANTS", "ROOT", "SCENARIO_DIR", "Attack", "FaultSpec", "Scenario",
            "ScenarioError", "default_expect", "job_tree_paths", "list_scenarios", "load_scenario",
@@ -168,7 +168,7 @@ class SigstopParams(SignalParams):
 
 
 class FailpointParams(_Model):
-    spec: dict[str, Any] = Field(description="a supervisor.failpoints.FailpointSpec")
+    spec: dict[str, Any] = Field(description="an erlay.supervisor.failpoints.FailpointSpec")
     in_: str | None = Field(None, alias="in", description="where to arm it: a tree path or "
                             "glob (every match), or 'driver'; default: where its code runs")
     scope: Literal["remote", "env"] = Field("remote", description="remote: armed in the "

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 # A problem found by a validator: (key path relative to the model raising it, text, given).
 Problem = tuple[tuple[Any, ...], str, Any]
@@ -136,7 +136,8 @@ def one_line(exc: Exception) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]  # "invalid configuration:" says nothing the key lines don't
-    return "; ".join(lines)
+    # ... nor does its one-line form's prefix
+    return "; ".join(lines).removeprefix("invalid configuration: ")
 
 
 def _optional_inner(ann: Any) -> Any:

@@ -11,15 +11,45 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from chaos.scenario_errors import ScenarioError
-
-if TYPE_CHECKING:
-    from chaos.scenario import FaultSpec
+from erlay.chaos.scenario_errors import ScenarioError
 
 
-def firings(fault: FaultSpec, duration_s: float) -> list[float]:
+class _Random(Protocol):
+    @property
+    def rate_per_s(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+
+
+class _Count(Protocol):
+    @property
+    def min(self) -> int: ...
+    @property
+    def max(self) -> int | None: ...
+
+
+class TimedFault(Protocol):
+    """The timing fields of a fault, all this module reads.  A scenario's ``FaultSpec``
+    (:mod:`erlay.chaos.scenario`, which imports this module, not the other way round) has
+    them."""
+
+    @property
+    def at(self) -> float | None: ...
+    @property
+    def at_step(self) -> int | None: ...
+    @property
+    def every(self) -> float | None: ...
+    @property
+    def start(self) -> float | None: ...
+    @property
+    def random(self) -> _Random | None: ...
+    @property
+    def count(self) -> _Count | None: ...
+
+
+def firings(fault: TimedFault, duration_s: float) -> list[float]:
     """The offsets at which ``fault`` fires within ``duration_s``, in order."""
     if fault.at is not None:
         return [fault.at] if fault.at < duration_s else []
@@ -43,7 +73,7 @@ def firings(fault: FaultSpec, duration_s: float) -> list[float]:
     return times
 
 
-def schedule_problems(faults: Sequence[FaultSpec], duration_s: float
+def schedule_problems(faults: Sequence[TimedFault], duration_s: float
                       ) -> list[tuple[int, tuple[str, ...], str, Any]]:
     """(fault index, key under the fault, text, given) for every fault whose ``count.min``
     cannot fit in ``duration_s``, and every ``at``/``every`` fault that never fires there."""
@@ -64,7 +94,7 @@ def schedule_problems(faults: Sequence[FaultSpec], duration_s: float
     return problems
 
 
-def timing_text(fault: FaultSpec) -> str:
+def timing_text(fault: TimedFault) -> str:
     """The fault's timing in words, e.g. ``every 20 s from 20 s``."""
     if fault.at is not None:
         return f"at {fault.at:g} s"
@@ -77,13 +107,13 @@ def timing_text(fault: FaultSpec) -> str:
     return f"random (rate {fault.random.rate_per_s:g}/s, seed {fault.random.seed})"
 
 
-def schedule(faults: Sequence[FaultSpec], duration_s: float) -> list[tuple[float, int]]:
+def schedule(faults: Sequence[TimedFault], duration_s: float) -> list[tuple[float, int]]:
     """Every firing as ``(offset seconds after RL starts, fault index)``, sorted by time, then
     index; nothing at or after ``duration_s``.
 
     Raises :class:`ScenarioError` naming the fault (``faults.3.count.min: count.min 5 cannot
     fit in duration 60 s: ...``) when a ``count.min`` cannot be met.  A fault that never
-    fires is not an error here (a loaded :class:`~chaos.scenario.Scenario` rejects it).
+    fires is not an error here (a loaded :class:`~erlay.chaos.scenario.Scenario` rejects it).
     """
     short = [p for p in schedule_problems(faults, duration_s) if p[1] == ("count", "min")]
     if short:

@@ -1,3 +1,4 @@
-"""YAML job configs and chaos scenarios shipped with erlay (package data)."""
+"""YAML job configs and chaos scenarios shipped with erlay (package data; no code).
 
-ERLAY_PACKAGE = "configs"  # marker checked by `erlay` to detect a shadowing distribution
+May import: nothing.
+"""

@@ -1,17 +1,18 @@
 """RL environments (tasks, multi-turn tool use), pluggable by import path.
 
-- :mod:`environments.base`: the contract every environment keeps (:class:`Environment`,
+- :mod:`erlay.environments.base`: the contract every environment keeps (:class:`Environment`,
   :class:`Episode`, :class:`StepResult`, :class:`ToolCall`) and :func:`load_environment`.
-- :mod:`environments.arithmetic`: multi-digit addition with carries, single turn.
-- :mod:`environments.tool_use`: compute with a Python tool call, then answer; multi-turn.
+- :mod:`erlay.environments.arithmetic`: multi-digit addition with carries, single turn.
+- :mod:`erlay.environments.tool_use`: compute with a Python tool call, then answer; multi-turn.
 
 A new environment is one class implementing :class:`Environment`, named in the job config as
 ``"module:Class"``; nothing in erlay needs editing.
+
+May import: erlay.supervisor.
 """
 
-ERLAY_PACKAGE = "environments"  # marker checked by `erlay` to detect a shadowing distribution
 
-from environments.base import (  # noqa: E402
+from erlay.environments.base import (
     Environment,
     Episode,
     EpisodeStateError,

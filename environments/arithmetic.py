@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
-from environments.base import (
+from erlay.environments.base import (
     Episode,
     EpisodeStateError,
     EpisodeStatus,

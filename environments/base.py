@@ -40,11 +40,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from supervisor.errors import ErlayError
-from supervisor.imports import import_path
+from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.imports import import_path
 
-# Mirrors actors.tokenizer.ALPHABET (environments may not import actors; a test checks that
-# the two agree).
+# Mirrors erlay.actors.model.tokenizer.ALPHABET (environments may not import actors; a test checks
+# that the two agree).
 TEXT_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
 _TEXT_CHARS = frozenset(TEXT_ALPHABET)
 
@@ -283,7 +283,7 @@ def load_environment(path: str, **kwargs: Any) -> Environment:
     return env  # type: ignore[no-any-return]
 
 
-# Sandbox outcomes (sandbox.results.Outcome values) and the short text an observation shows.
+# Sandbox outcomes (erlay.sandbox.results.Outcome values) and the short text an observation shows.
 _OUTCOME_TEXT = {"timeout": "timeout", "memory": "memory limit", "file_size": "file too large",
                  "output_limit": "too much output", "killed": "killed",
                  "spawn_failed": "sandbox unavailable"}

@@ -32,8 +32,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 
-from environments.arithmetic import operand_range, parse_operations
-from environments.base import (
+from erlay.environments.arithmetic import operand_range, parse_operations
+from erlay.environments.base import (
     Episode,
     EpisodeStateError,
     EpisodeStatus,

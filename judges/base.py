@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from supervisor.errors import ErlayError
-from supervisor.imports import import_path
+from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.imports import import_path
 
 # Reasons shared by the built-in judges, so reports can group by them.
 CORRECT = "correct"
@@ -78,7 +78,7 @@ class Judge(Protocol):
 @runtime_checkable
 class AsyncJudge(Protocol):
     """A judge that awaits I/O (a sandbox run, a model call).  Same contract as
-    :class:`Judge`; :class:`~judges.worker.JudgeWorker` prefers ``score_async`` when a judge
+    :class:`Judge`; :class:`~erlay.judges.worker.JudgeWorker` prefers ``score_async`` when a judge
     has both."""
 
     name: str

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from judges.base import Judgement
+from erlay.judges.base import Judgement
 
 log = logging.getLogger("erlay.judges")
 

@@ -33,7 +33,7 @@ import secrets
 from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol
 
-from judges.base import Judgement, JudgeUsageError, import_path
+from erlay.judges.base import Judgement, JudgeUsageError, import_path
 
 log = logging.getLogger("erlay.judges")
 

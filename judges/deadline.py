@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 T = TypeVar("T")
 

@@ -13,7 +13,8 @@ thread; erlay judges run in actor threads, so they are disabled here (``parsing_
    (math-verify builds unevaluated expressions), but verifying ``9^9^9`` computes a
    369-million-digit integer in C with the GIL held, which no thread budget can interrupt.
 2. Parsing and verifying run in a daemon thread under ``time_budget_s``; an overrun is
-   ``ok=False`` "judge timeout".  See :mod:`judges.deadline` for what that can and cannot stop.
+   ``ok=False`` "judge timeout".  See :mod:`erlay.judges.deadline` for what that can and cannot
+   stop.
 
 Verdicts: correct -> 1.0 "correct"; not equal -> 0.0 "wrong answer"; nothing mathematical
 in the answer -> 0.0 "unparseable answer"; all ``ok=True``.  A gold answer that does not
@@ -38,8 +39,8 @@ from sympy.functions.combinatorial.factorials import (
     subfactorial,
 )
 
-from judges.base import CORRECT, JUDGE_TIMEOUT, UNPARSEABLE_ANSWER, WRONG_ANSWER, Judgement
-from judges.deadline import BudgetExceeded, call_with_budget
+from erlay.judges.base import CORRECT, JUDGE_TIMEOUT, UNPARSEABLE_ANSWER, WRONG_ANSWER, Judgement
+from erlay.judges.deadline import BudgetExceeded, call_with_budget
 
 log = logging.getLogger("erlay.judges")
 

@@ -1,11 +1,11 @@
 """The judge worker: a hosted in-process child that scores samples with one judge.
 
-It lives in a judge host (see :mod:`supervisor.hosted` for the contract) and wraps a judge
+It lives in a judge host (see :mod:`erlay.supervisor.hosted` for the contract) and wraps a judge
 built from an import path, adding what every judge needs in the judge fault domain:
 
 - **A deadline per judgement.**  A judgement past ``timeout_s`` returns ``ok=False``
   "judge timeout" instead of raising, so a slow judge marks a sample rather than crashing
-  the worker.  Sync judges run in a daemon thread (see :mod:`judges.deadline`) so the host's
+  the worker.  Sync judges run in a daemon thread (see :mod:`erlay.judges.deadline`) so the host's
   event loop keeps serving; async judges are awaited under the same deadline.
 - **Progress.**  ``progress`` is in phase ``judge_call`` while any judgement is in flight
   and ticks as each one finishes, so the supervisor's hang detection sees a worker whose
@@ -16,7 +16,7 @@ built from an import path, adding what every judge needs in the judge fault doma
 
 Calls never raise for anything the judge does; an exception the judge lets escape becomes
 ``ok=False`` with the reason, because restarting the worker would not change the verdict.
-The ``judge.score`` failpoint (:mod:`supervisor.failpoints`) stands for a fault of the worker
+The ``judge.score`` failpoint (:mod:`erlay.supervisor.failpoints`) stands for a fault of the worker
 itself, so it sits outside that net: a ``raise`` there crashes the worker (its host restarts
 it) and a ``hang`` holds the ``judge_call`` phase without ticks until hang detection acts.
 """
@@ -29,11 +29,11 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from judges.base import JUDGE_TIMEOUT, Judgement, load_judge
-from judges.deadline import run_in_thread
-from supervisor import telemetry
-from supervisor.failpoints import afailpoint
-from supervisor.progress import Progress
+from erlay.judges.base import JUDGE_TIMEOUT, Judgement, load_judge
+from erlay.judges.deadline import run_in_thread
+from erlay.supervisor import telemetry
+from erlay.supervisor.failpoints import afailpoint
+from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.judges")
 
@@ -46,11 +46,11 @@ class JudgeWorker:
     """Scores with the judge at ``judge`` (``"module:Class"``) built with ``judge_kwargs``.
 
     ``timeout_s`` bounds one judgement; ``cache_size`` bounds the reuse cache (0 disables
-    it).  Construction raises what :func:`judges.base.load_judge` raises: a bad judge is a
+    it).  Construction raises what :func:`erlay.judges.base.load_judge` raises: a bad judge is a
     start failure of the child.
     """
 
-    def __init__(self, judge: str = "judges.math:MathJudge",
+    def __init__(self, judge: str = "erlay.judges.math:MathJudge",
                  judge_kwargs: dict[str, Any] | None = None, timeout_s: float = 5.0,
                  cache_size: int = 1024) -> None:
         if not timeout_s > 0:

@@ -10,20 +10,21 @@ typed result, never a crashed worker.
 - :class:`SandboxWorker` is the hosted child that serves ``execute`` calls, once per
   idempotency key.
 - :func:`sandbox_host_children` builds the worker specs of one node's sandbox host.
+
+May import: erlay.supervisor.
 """
 
-ERLAY_PACKAGE = "sandbox"  # marker checked by `erlay` to detect a shadowing distribution
 
-from sandbox.limits import SandboxLimits  # noqa: E402 - the marker line stays first
-from sandbox.pool import sandbox_host_children  # noqa: E402
-from sandbox.results import (  # noqa: E402
+from erlay.sandbox.limits import SandboxLimits
+from erlay.sandbox.pool import sandbox_host_children
+from erlay.sandbox.results import (
     MalformedMessage,
     Outcome,
     SandboxRequest,
     SandboxResult,
 )
-from sandbox.runner import run_in_sandbox  # noqa: E402
-from sandbox.worker import SandboxWorker  # noqa: E402
+from erlay.sandbox.runner import run_in_sandbox
+from erlay.sandbox.worker import SandboxWorker
 
 __all__ = [
     "MalformedMessage",

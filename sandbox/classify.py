@@ -28,7 +28,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from sandbox.results import Outcome
+from erlay.sandbox.results import Outcome
 
 # How the launch chain's own failures start (the setup step's $0 is erlay-sandbox-setup).
 LAUNCHER_PREFIXES = ("unshare: ", "bwrap: ", "env: ", "setpriv: ", "mount: ", "mkdir: ",

@@ -20,7 +20,7 @@ names it (``SandboxResult.isolation``):
     of its namespace: when it exits, or its launcher dies (``--kill-child``), the kernel kills
     everything it spawned, ``setsid`` or not.  A namespace's init ignores default-action
     signals sent from inside it, its own included, so ``os.kill(0, ...)`` or killing "the
-    parent" (``getppid() == 0``) does not end the run; see :mod:`sandbox.classify`.
+    parent" (``getppid() == 0``) does not end the run; see :mod:`erlay.sandbox.classify`.
 ``rlimits-only``
     no namespaces, only the rlimits and, as root, the slot uid.  Logged as a warning once.
     Processes that leave the run's group are found by the run's token and killed; processes
@@ -56,8 +56,8 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from sandbox.limits import SandboxLimits
-from supervisor.errors import ErlayError
+from erlay.sandbox.limits import SandboxLimits
+from erlay.supervisor.errors import ErlayError
 
 log = logging.getLogger("erlay.sandbox")
 
@@ -317,7 +317,7 @@ def current_isolation(limits: SandboxLimits, slot: int) -> tuple[Isolation, str]
     """The isolation and interpreter for ``slot`` on this machine (probed once, cached).
 
     The probes start small subprocesses and block for tens of milliseconds the first time;
-    :meth:`sandbox.worker.SandboxWorker.setup` calls this so no tool call pays for it.
+    :meth:`erlay.sandbox.worker.SandboxWorker.setup` calls this so no tool call pays for it.
     Raises SandboxUnavailable when no interpreter can run.
     """
     is_root = os.geteuid() == 0

@@ -4,7 +4,7 @@ config's ``sandbox.limits`` mapping.
 Every limit applies to each run separately, except ``max_processes``: RLIMIT_NPROC counts
 every process of the run's uid, so runs that share a worker slot (and so a uid) share it.
 Without root there is no slot uid and it counts every process of the current user; see
-:mod:`sandbox.isolation`.
+:mod:`erlay.sandbox.isolation`.
 """
 
 from __future__ import annotations

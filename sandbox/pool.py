@@ -1,6 +1,6 @@
 """The sandbox domain's pool: one host per node, holding N sandbox workers.
 
-Each worker has its own slot, and so its own uid (see :mod:`sandbox.isolation`).  Slots are
+Each worker has its own slot, and so its own uid (see :mod:`erlay.sandbox.isolation`).  Slots are
 numbered per host from ``first_slot``: two hosts on one machine (several Ray nodes on one
 box, or two jobs) need disjoint slot ranges, or they share uids and RLIMIT_NPROC budgets.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandbox.limits import SandboxLimits
-from supervisor.spec import ChildSpec, InProcessStart
+from erlay.sandbox.limits import SandboxLimits
+from erlay.supervisor.spec import ChildSpec, InProcessStart
 
 # Time a worker gets, beyond the wall timeout, to kill a run, drain its pipes and remove its
 # scratch directory before hang detection calls it hung.
@@ -21,7 +21,7 @@ def sandbox_host_children(workers: int, limits: dict[str, Any], *,
                           margin_s: float = DEADLINE_MARGIN_S,
                           first_slot: int = 0) -> tuple[ChildSpec, ...]:
     """Child specs ``sandbox-0`` .. ``sandbox-{workers-1}`` for a node host
-    (:func:`supervisor.host.host_spec`), worker ``i`` in slot ``first_slot + i``.
+    (:func:`erlay.supervisor.host.host_spec`), worker ``i`` in slot ``first_slot + i``.
 
     ``limits`` is validated here, so a bad config fails before any host starts.  The
     ``tool_call`` deadline is the wall timeout plus ``margin_s``: raise the margin if
@@ -35,7 +35,7 @@ def sandbox_host_children(workers: int, limits: dict[str, Any], *,
     deadline = parsed.wall_timeout_s + margin_s
     return tuple(
         ChildSpec(f"sandbox-{i}",
-                  InProcessStart("sandbox.worker:SandboxWorker",
+                  InProcessStart("erlay.sandbox.worker:SandboxWorker",
                                  kwargs={"limits": parsed.model_dump(),
                                          "slot": first_slot + i}),
                   deadlines={"tool_call": deadline})

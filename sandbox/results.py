@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 MAX_KEY_CHARS = 1024
 
@@ -36,7 +36,7 @@ class MalformedMessage(ErlayError, ValueError):
 
 
 class Outcome(enum.StrEnum):
-    """How a run ended; exactly one applies (see :mod:`sandbox.classify`).  A StrEnum, so
+    """How a run ended; exactly one applies (see :mod:`erlay.sandbox.classify`).  A StrEnum, so
     ``Outcome.OK == "ok"`` and it formats as its value."""
 
     OK = "ok"                      # exit code 0

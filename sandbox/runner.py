@@ -1,7 +1,7 @@
 """One sandbox run: spawn, watch, stop, classify, clean up, all on the running event loop.
 
 :func:`run_in_sandbox` never raises for anything the code does; bad code is a
-:class:`~sandbox.results.SandboxResult`.  Its invariants, on every path, cancellation
+:class:`~erlay.sandbox.results.SandboxResult`.  Its invariants, on every path, cancellation
 included:
 
 - the run's processes are gone when it returns: its process group is killed and, with a pid
@@ -31,8 +31,8 @@ import uuid
 
 import psutil
 
-from sandbox.classify import RunEnd, classify, launcher_returncode
-from sandbox.isolation import (
+from erlay.sandbox.classify import RunEnd, classify, launcher_returncode
+from erlay.sandbox.isolation import (
     RUN_TOKEN_VAR,
     SCRIPT_NAME,
     Isolation,
@@ -46,10 +46,10 @@ from sandbox.isolation import (
     sandbox_env,
     tmpfs_mb,
 )
-from sandbox.limits import SandboxLimits
-from sandbox.results import Outcome, SandboxRequest, SandboxResult
-from supervisor.procs import ProcessKeeper, process_keeper
-from supervisor.reaper import TOKEN_VAR
+from erlay.sandbox.limits import SandboxLimits
+from erlay.sandbox.results import Outcome, SandboxRequest, SandboxResult
+from erlay.supervisor.procs import ProcessKeeper, process_keeper
+from erlay.supervisor.reaper import TOKEN_VAR
 
 log = logging.getLogger("erlay.sandbox")
 

@@ -1,13 +1,13 @@
 """The sandbox worker: a hosted in-process child that executes sandbox requests.
 
-It follows the in-process child contract of :mod:`supervisor.hosted`: it is built from
+It follows the in-process child contract of :mod:`erlay.supervisor.hosted`: it is built from
 ``limits`` and ``slot``, ``setup()`` probes the machine's isolation once, ``execute`` is its
 call, ``stop()`` kills the runs in flight, and ``progress`` is read by hang detection.
 
 Contracts of :meth:`SandboxWorker.execute`:
 
 - Bad code never raises: it is a result (timeout, memory, killed, ...).  Only a malformed
-  request raises, a :class:`~sandbox.results.MalformedMessage` (a ValueError) naming the
+  request raises, a :class:`~erlay.sandbox.results.MalformedMessage` (a ValueError) naming the
   field.  As for any hosted call, an exception crashes the worker (it is restarted by its
   host, with an empty cache): a malformed request is the caller's bug.
 - Idempotency: a result is stored under its request's key in a bounded LRU cache, and a
@@ -21,9 +21,9 @@ Contracts of :meth:`SandboxWorker.execute`:
   node runs as many sandboxes at once as its host has workers.
 - Progress: while runs are in flight the worker holds work in phase ``tool_call`` (``work``
   is the running run's key); each run that ends counts as a tick.  The pool sizes the
-  ``tool_call`` deadline from the limits' wall timeout (:mod:`sandbox.pool`), so a request
+  ``tool_call`` deadline from the limits' wall timeout (:mod:`erlay.sandbox.pool`), so a request
   whose ``timeout_s`` is longer than that needs a larger margin there.
-- Fault injection: the ``sandbox.exec`` failpoint (:mod:`supervisor.failpoints`) sits in a run
+- Fault injection: the ``sandbox.exec`` failpoint (:mod:`erlay.supervisor.failpoints`) sits in a run
   after it begins its ``tool_call`` phase and before its code is spawned.
 """
 
@@ -35,13 +35,13 @@ import hashlib
 import logging
 from typing import Any
 
-from sandbox.isolation import SandboxUnavailable, current_isolation
-from sandbox.limits import SandboxLimits
-from sandbox.results import Outcome, SandboxRequest, SandboxResult
-from sandbox.runner import run_in_sandbox
-from supervisor import telemetry
-from supervisor.failpoints import afailpoint
-from supervisor.progress import Progress
+from erlay.sandbox.isolation import SandboxUnavailable, current_isolation
+from erlay.sandbox.limits import SandboxLimits
+from erlay.sandbox.results import Outcome, SandboxRequest, SandboxResult
+from erlay.sandbox.runner import run_in_sandbox
+from erlay.supervisor import telemetry
+from erlay.supervisor.failpoints import afailpoint
+from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.sandbox")
 

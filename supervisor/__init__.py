@@ -1,13 +1,16 @@
 """erlay's generic supervision machinery: OTP supervisors on Ray.  Knows nothing about RL.
 
-The pure parts import nothing from Ray: :mod:`supervisor.spec`, :mod:`supervisor.core`,
-:mod:`supervisor.health`, :mod:`supervisor.events`, :mod:`supervisor.reason`.  The shell
-(:mod:`supervisor.runtime`, :mod:`supervisor.tree`) and the child drivers apply decisions.
+The pure parts import nothing from Ray: :mod:`erlay.supervisor.spec`, :mod:`erlay.supervisor.core`,
+:mod:`erlay.supervisor.health`, :mod:`erlay.supervisor.events`, :mod:`erlay.supervisor.reason`.  The
+shell (:mod:`erlay.supervisor.runtime`, :mod:`erlay.supervisor.tree`) and the child drivers apply
+decisions.
+
+May import: nothing outside erlay.supervisor; its modules import neither
+:mod:`erlay.supervisor.node` (the node runtime) nor :mod:`erlay.supervisor.cli`.
 """
 
-ERLAY_PACKAGE = "supervisor"  # marker checked by `erlay` to detect a shadowing distribution
 
-from supervisor.errors import (  # noqa: E402
+from erlay.supervisor.errors import (
     ChildDead,
     ChildNotRunning,
     ChildStartError,
@@ -19,9 +22,9 @@ from supervisor.errors import (  # noqa: E402
     TaskDeadlineExceeded,
     TaskFailed,
 )
-from supervisor.progress import Progress  # noqa: E402
-from supervisor.reason import ExitKind, ExitReason  # noqa: E402
-from supervisor.spec import (  # noqa: E402
+from erlay.supervisor.progress import Progress
+from erlay.supervisor.reason import ExitKind, ExitReason
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,

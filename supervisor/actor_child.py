@@ -5,7 +5,7 @@ The user's class is subclassed with a few ``_erlay_*`` methods and made remote w
 
 - **Death** is noticed through a pending ``_erlay_monitor`` call, which fails with
   ``ActorDiedError`` a few milliseconds after the process dies.  Nothing polls for death.
-- **Hang**: ``_erlay_progress`` returns the child's :class:`~supervisor.progress.Progress`
+- **Hang**: ``_erlay_progress`` returns the child's :class:`~erlay.supervisor.progress.Progress`
   snapshot (attribute ``progress``); the supervisor applies the deadlines.
 - **Unavailable** (``ActorUnavailableError``): the child is quarantined and probed until it
   answers, is confirmed dead, or stays unreachable past ``quarantine_timeout_s``.
@@ -20,7 +20,7 @@ Optional hooks on the user's class, sync or async to match the class:
   afterwards, so nothing it spawned outlives it unless it detached on purpose.
 
 ``_erlay_failpoints(op, name, spec)`` arms, disarms or lists the failpoints of the actor's
-process (see :func:`supervisor.failpoints.control`).  For a node host that includes every
+process (see :func:`erlay.supervisor.failpoints.control`).  For a node host that includes every
 in-process child it hosts, since they share its process.
 
 A synchronous (threaded) class gets a small concurrency group for these methods so a busy
@@ -41,14 +41,15 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from supervisor import failpoints
-from supervisor.errors import ChildStartError
-from supervisor.events import EventKind, SupervisorEvent
-from supervisor.health import Quarantine, quarantine_verdict
-from supervisor.progress import Progress, ProgressSnapshot
-from supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
-from supervisor.runtime import ChildProcess, StartContext
-from supervisor.spec import ActorStart, Shutdown, ShutdownKind
+from erlay.supervisor import failpoints
+from erlay.supervisor.errors import ChildStartError
+from erlay.supervisor.events import EventKind, SupervisorEvent
+from erlay.supervisor.health import Quarantine, quarantine_verdict
+from erlay.supervisor.imports import import_path
+from erlay.supervisor.progress import Progress, ProgressSnapshot
+from erlay.supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
+from erlay.supervisor.runtime import ChildProcess, StartContext
+from erlay.supervisor.spec import ActorStart, Shutdown, ShutdownKind
 
 log = logging.getLogger("erlay.supervisor")
 
@@ -72,22 +73,26 @@ def _is_async_class(cls: type) -> bool:
                for name in dir(cls) if not name.startswith("__"))
 
 
-NUMA_ENV = "ERLAY_NUMA_BIND"
+INIT_ENV = "ERLAY_ACTOR_INIT"
+_INIT_DONE = False
 
 
-def _bind_numa() -> None:
-    """With ``ERLAY_NUMA_BIND=1`` and a visible GPU, bind this actor's process (every thread,
-    and what it spawns later) to the CPUs and memory local to that GPU, from this node's
-    ``nvidia-smi topo -m`` (:mod:`supervisor.numa`).  Without a GPU: nothing, not even the
-    probe.  A failure is logged: a slower worker beats no worker."""
-    from supervisor import numa
-    if os.environ.get(NUMA_ENV) != "1" or numa.visible_gpu(os.environ) is None:
+def _run_init_hooks() -> None:
+    """Run, once per actor process and before it counts as started, each function named in
+    ``ERLAY_ACTOR_INIT`` (comma-separated ``module:function`` paths).  The job names
+    :func:`erlay.supervisor.node.numa.bind_from_env` there to bind GPU workers to their
+    GPU's NUMA node; the OTP core itself knows nothing of nodes.  A failing hook is logged:
+    a slower worker beats no worker."""
+    global _INIT_DONE
+    if _INIT_DONE:
         return
-    try:
-        from supervisor import topology
-        numa.bind_to_visible_gpu(topology.affinity_map(topology.discover()))
-    except Exception:
-        log.warning("NUMA binding failed; the actor runs unbound", exc_info=True)
+    _INIT_DONE = True
+    for path in filter(None, (p.strip() for p in os.environ.get(INIT_ENV, "").split(","))):
+        try:
+            import_path(path, "actor init hook")()
+        except Exception:  # a hook is best effort by contract; never a failed start
+            log.warning("actor init hook %s failed; the actor runs without it", path,
+                        exc_info=True)
 
 
 def supervised_class(cls: type) -> Any:
@@ -96,7 +101,7 @@ def supervised_class(cls: type) -> Any:
         return _CLASSES[cls]
     if _is_async_class(cls):
         async def _erlay_ready(self: Any) -> dict[str, Any]:
-            _bind_numa()
+            _run_init_hooks()
             hook = getattr(self, "erlay_ready", None)
             if hook is not None:
                 result = hook()
@@ -134,7 +139,7 @@ def supervised_class(cls: type) -> Any:
         group = ray.method(concurrency_group="_erlay")
 
         def _erlay_ready_s(self: Any) -> dict[str, Any]:
-            _bind_numa()
+            _run_init_hooks()
             hook = getattr(self, "erlay_ready", None)
             if hook is not None:
                 hook()
@@ -385,7 +390,7 @@ async def _create(remote_cls: Any, opts: dict[str, Any], args: tuple[Any, ...],
 
 def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float = 30.0,
                   probe_interval_s: float = 0.5) -> Any:
-    """A starter for :class:`ActorStart` children (see :mod:`supervisor.runtime`)."""
+    """A starter for :class:`ActorStart` children (see :mod:`erlay.supervisor.runtime`)."""
 
     async def start(ctx: StartContext) -> ChildProcess:
         start_spec = ctx.spec.start

@@ -4,7 +4,7 @@
 shell to carry out.  Nothing here touches Ray, threads or the clock; time comes in as ``now``
 (monotonic seconds).  This module is OTP's ``supervisor.erl`` restated as data.
 
-The plan contract, which the shell (:mod:`supervisor.runtime`) must honour:
+The plan contract, which the shell (:mod:`erlay.supervisor.runtime`) must honour:
 
 - Actions run in order.  The outcome of every :class:`Start` (``Started`` or
   ``StartFailed``) and every :class:`Stop` (``Stopped``) is fed back through ``decide`` at
@@ -20,7 +20,7 @@ The plan contract, which the shell (:mod:`supervisor.runtime`) must honour:
 Events for an incarnation that is no longer current are ignored, so exits that race a plan
 cannot cause a second restart.
 
-Deviations from OTP are listed in :mod:`supervisor.spec` and :mod:`supervisor.runtime`.
+Deviations from OTP are listed in :mod:`erlay.supervisor.spec` and :mod:`erlay.supervisor.runtime`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from supervisor.errors import InvalidSpec
-from supervisor.events import EventKind
-from supervisor.reason import ExitKind, ExitReason
-from supervisor.spec import (
+from erlay.supervisor.errors import InvalidSpec
+from erlay.supervisor.events import EventKind
+from erlay.supervisor.reason import ExitKind, ExitReason
+from erlay.supervisor.spec import (
     AutoShutdown,
     ChildSpec,
     ChildType,

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, cast
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 log = logging.getLogger("erlay.failpoints")
 

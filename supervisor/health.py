@@ -19,7 +19,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from supervisor.progress import ProgressSnapshot
+from erlay.supervisor.progress import ProgressSnapshot
 
 
 @dataclass(frozen=True)

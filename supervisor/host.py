@@ -2,7 +2,7 @@
 
 Sandbox workers, judge workers and environment workers do not each get a Ray actor.  They
 run inside the host of their node and domain, as in-process objects or subprocesses, under a
-local :class:`~supervisor.runtime.Supervisor` that restarts them with no Ray control-plane
+local :class:`~erlay.supervisor.runtime.Supervisor` that restarts them with no Ray control-plane
 traffic.  This keeps GCS registrations at O(nodes x domains).
 
 The host is itself an actor child of its domain supervisor.  If its local supervisor gives
@@ -11,7 +11,7 @@ sees the host exit.  If the host's process or node dies, the domain supervisor r
 with soft node affinity the new host lands on a node that is alive and boots the same
 children there.
 
-The host owns its children's process groups (:class:`~supervisor.procs.ProcessKeeper`): when
+The host owns its children's process groups (:class:`~erlay.supervisor.procs.ProcessKeeper`): when
 a child or the host stops, nothing they spawned survives, and a reaper covers a SIGKILLed
 host.  ``env`` is forwarded to every subprocess the host spawns.
 """
@@ -26,22 +26,22 @@ from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
-from supervisor.actor_child import PreferNode
-from supervisor.errors import ChildNotRunning
-from supervisor.events import CallbackSink, FanoutSink, LoggingSink, MemorySink
-from supervisor.failpoints import afailpoint
-from supervisor.hosted import InProcessChild
-from supervisor.naming import host_id
-from supervisor.procs import process_keeper
-from supervisor.runtime import ChildProcess, StartContext, Supervisor
-from supervisor.spec import (
+from erlay.supervisor.actor_child import PreferNode
+from erlay.supervisor.errors import ChildNotRunning
+from erlay.supervisor.events import CallbackSink, FanoutSink, LoggingSink, MemorySink
+from erlay.supervisor.failpoints import afailpoint
+from erlay.supervisor.hosted import InProcessChild
+from erlay.supervisor.naming import host_id
+from erlay.supervisor.procs import process_keeper
+from erlay.supervisor.runtime import ChildProcess, StartContext, Supervisor
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,
     SubprocessStart,
     SupervisorFlags,
 )
-from supervisor.subprocess_child import SubprocessChild
+from erlay.supervisor.subprocess_child import SubprocessChild
 
 log = logging.getLogger("erlay.supervisor")
 
@@ -166,7 +166,7 @@ def host_spec(node_label: str, flags: SupervisorFlags, children: tuple[ChildSpec
     """The child spec of the host for one node: id ``host@<node>``.
 
     The host is pinned to its node while the node lives; a restart after the node is gone
-    places it on a live node (see :class:`~supervisor.actor_child.PreferNode`).
+    places it on a live node (see :class:`~erlay.supervisor.actor_child.PreferNode`).
     For a simple_one_for_one host, ``instances`` lists the start args of the instances it
     starts at every boot.  ``options`` are added to the host actor's ``.options()`` (e.g. a
     ``runtime_env`` for the host process itself; ``env`` is for what the host spawns).

@@ -11,7 +11,7 @@ The object's contract, all optional except construction:
   caller.  Calling a method that does not exist raises ``AttributeError`` and crashes
   nothing: that is the caller's bug.
 - ``stop()`` or ``close()`` (sync or async) is called for a graceful shutdown.
-- ``progress``: a :class:`~supervisor.progress.Progress` read by hang detection.
+- ``progress``: a :class:`~erlay.supervisor.progress.Progress` read by hang detection.
 
 In-process children share the host's event loop.  They must not block it; CPU-heavy or
 untrusted work belongs in subprocess children.
@@ -25,12 +25,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from supervisor.errors import ChildNotRunning
-from supervisor.imports import import_path
-from supervisor.progress import Progress, ProgressSnapshot
-from supervisor.reason import KILLED, NORMAL, SHUTDOWN, ExitReason, from_exception
-from supervisor.runtime import ChildProcess, StartContext
-from supervisor.spec import InProcessStart, Shutdown, ShutdownKind
+from erlay.supervisor.errors import ChildNotRunning
+from erlay.supervisor.imports import import_path
+from erlay.supervisor.progress import Progress, ProgressSnapshot
+from erlay.supervisor.reason import KILLED, NORMAL, SHUTDOWN, ExitReason, from_exception
+from erlay.supervisor.runtime import ChildProcess, StartContext
+from erlay.supervisor.spec import InProcessStart, Shutdown, ShutdownKind
 
 
 def resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:

@@ -1,6 +1,7 @@
 """Supervisor events as OpenTelemetry spans: failures, restarts and escalations.
 
-:class:`TracingEventSink` is an :class:`~supervisor.events.EventSink`.  For each child it turns
+:class:`TracingEventSink` is an :class:`~erlay.supervisor.events.EventSink`.  For each child it
+turns
 
 - an abnormal ``exit`` or a ``start_error`` into a ``failure`` span (an instant),
 - a ``restart`` decision into a ``restart`` span that ends when that child's next incarnation
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, Status, StatusCode
 
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 _NORMAL = ("normal", "shutdown")
 
@@ -43,7 +44,7 @@ def is_failure(event: SupervisorEvent) -> bool:
 
 def cause_of(event: SupervisorEvent) -> str:
     """The kind of a failure: ``killed``, ``error``, ``hang``, ``lost`` (an exit reason's
-    kind, see :mod:`supervisor.reason`) or ``start_error``."""
+    kind, see :mod:`erlay.supervisor.reason`) or ``start_error``."""
     if event.context is EventKind.START_ERROR:
         return "start_error"
     return event.reason.split(":", 1)[0].split(" ", 1)[0] or "unknown"
@@ -51,7 +52,7 @@ def cause_of(event: SupervisorEvent) -> str:
 
 class TracingEventSink:
     """See the module docstring.  Thread-safe; never raises into the supervisor (the
-    :class:`~supervisor.events.FanoutSink` it sits in logs and skips a failing sink)."""
+    :class:`~erlay.supervisor.events.FanoutSink` it sits in logs and skips a failing sink)."""
 
     def __init__(self, tracer_fn: Callable[[], trace.Tracer],
                  on_restart: Callable[[str, str], None] | None = None) -> None:

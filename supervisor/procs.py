@@ -2,7 +2,7 @@
 
 Every subprocess starts in its own session and process group and carries the keeper's token
 in ``ERLAY_HOST_TOKEN``.  Stopping a child kills its whole group.  A reaper process (see
-:mod:`supervisor.reaper`) watches the hosting process through a pipe and kills the registered
+:mod:`erlay.supervisor.reaper`) watches the hosting process through a pipe and kills the registered
 groups, and any stray process with the token, if the host dies without cleaning up.
 
 Environment propagation: the keeper's declared ``env`` is added to every subprocess's
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.reaper import TOKEN_VAR, processes_with_token, same_group, start_ticks
+from erlay.supervisor.reaper import TOKEN_VAR, processes_with_token, same_group, start_ticks
 
 log = logging.getLogger("erlay.supervisor")
 

@@ -3,7 +3,7 @@ carries out its plans through child drivers.
 
 A :class:`Supervisor` behaves like an OTP supervisor process.  Every state change happens in
 its own main task, one event at a time, so the core's plan contract holds (see
-:mod:`supervisor.core`).  Drivers ("starters") know how to start one kind of child and return
+:mod:`erlay.supervisor.core`).  Drivers ("starters") know how to start one kind of child and return
 a :class:`ChildProcess`; the shell watches each incarnation with a pending ``wait()``, which
 resolves when the incarnation ends, and polls progress only for children with deadlines.
 
@@ -31,15 +31,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from supervisor import core
-from supervisor.clock import Clock, SystemClock
-from supervisor.errors import ChildStartError, SupervisorCallError
-from supervisor.events import EventKind, EventSink, LoggingSink, SupervisorEvent
-from supervisor.health import Health, hang_verdict, observe, progress_age
-from supervisor.naming import child_path
-from supervisor.progress import ProgressSnapshot
-from supervisor.reason import SHUTDOWN, ExitKind, ExitReason, from_exception
-from supervisor.spec import (
+from erlay.supervisor import core
+from erlay.supervisor.clock import Clock, SystemClock
+from erlay.supervisor.errors import ChildStartError, SupervisorCallError
+from erlay.supervisor.events import EventKind, EventSink, LoggingSink, SupervisorEvent
+from erlay.supervisor.health import Health, hang_verdict, observe, progress_age
+from erlay.supervisor.naming import child_path
+from erlay.supervisor.progress import ProgressSnapshot
+from erlay.supervisor.reason import SHUTDOWN, ExitKind, ExitReason, from_exception
+from erlay.supervisor.spec import (
     BRUTAL_KILL,
     ChildSpec,
     Shutdown,

@@ -1,6 +1,6 @@
 """Child specs and supervisor flags, validated at construction as OTP's ``check_childspec`` does.
 
-A bad spec raises :class:`~supervisor.errors.InvalidSpec` naming the field, what was expected
+A bad spec raises :class:`~erlay.supervisor.errors.InvalidSpec` naming the field, what was expected
 and what was given, before anything starts.  Strings are accepted wherever an enum is expected
 (``restart="transient"``) so specs can come straight from YAML.
 
@@ -11,7 +11,7 @@ Deviations from OTP, all deliberate:
 - A start function cannot return ``ignore``.  A child that should not run is not specified.
 - ``modules`` (release handling) has no meaning here and does not exist.
 - ``deadlines`` and ``progress_poll_s`` are erlay additions: per-phase progress deadlines used
-  for hang detection (see :mod:`supervisor.health`).
+  for hang detection (see :mod:`erlay.supervisor.health`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.errors import InvalidSpec
+from erlay.supervisor.errors import InvalidSpec
 
 
 class Restart(enum.Enum):
@@ -129,7 +129,7 @@ class InProcessStart(StartSpec):
     """An object created inside the hosting process by ``factory(*args, **kwargs)``.
 
     ``factory`` is a callable or a ``"module:attr"`` import path.  See
-    :mod:`supervisor.hosted` for the object's contract.
+    :mod:`erlay.supervisor.hosted` for the object's contract.
     """
 
     factory: Callable[..., Any] | str

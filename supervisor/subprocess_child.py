@@ -1,5 +1,5 @@
 """Subprocess children: a process in its own session and process group, owned by a
-:class:`~supervisor.procs.ProcessKeeper`.
+:class:`~erlay.supervisor.procs.ProcessKeeper`.
 
 Exit is noticed through a pidfd registered with the event loop (no thread per child, no
 polling).  When the child's main process ends, its whole group is killed, so nothing it
@@ -19,12 +19,12 @@ import signal
 import subprocess
 from typing import IO, Any
 
-from supervisor.errors import ChildStartError
-from supervisor.procs import ProcessKeeper
-from supervisor.progress import ProgressSnapshot
-from supervisor.reason import KILLED, NORMAL, SHUTDOWN, ExitKind, ExitReason
-from supervisor.runtime import ChildProcess, StartContext
-from supervisor.spec import Shutdown, ShutdownKind, SubprocessStart
+from erlay.supervisor.errors import ChildStartError
+from erlay.supervisor.procs import ProcessKeeper
+from erlay.supervisor.progress import ProgressSnapshot
+from erlay.supervisor.reason import KILLED, NORMAL, SHUTDOWN, ExitKind, ExitReason
+from erlay.supervisor.runtime import ChildProcess, StartContext
+from erlay.supervisor.spec import Shutdown, ShutdownKind, SubprocessStart
 
 
 def exit_reason(returncode: int) -> ExitReason:

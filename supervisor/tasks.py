@@ -4,8 +4,8 @@ a deadline and a retry budget, never as an actor.
 An attempt that misses its deadline is cancelled (``force=True`` kills the worker running
 it) and retried; so is one whose worker or node died.  An exception raised by the function
 itself is the task's answer and is not retried unless the policy says so.  When the budget
-is spent the caller gets :class:`~supervisor.errors.TaskDeadlineExceeded` (every attempt
-timed out) or :class:`~supervisor.errors.TaskFailed` naming the last cause.
+is spent the caller gets :class:`~erlay.supervisor.errors.TaskDeadlineExceeded` (every attempt
+timed out) or :class:`~erlay.supervisor.errors.TaskFailed` naming the last cause.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayTaskError
 
-from supervisor.errors import TaskDeadlineExceeded, TaskFailed
+from erlay.supervisor.errors import TaskDeadlineExceeded, TaskFailed
 
 log = logging.getLogger("erlay.supervisor")
 _REMOTES: dict[Callable[..., Any], Any] = {}

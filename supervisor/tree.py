@@ -5,7 +5,7 @@ The root runs in a background thread so that whatever the driver's main thread d
 training loop, a progress bar, a blocking ``ray.get``) never delays failure handling.
 
 ``SupervisionTree.wait()`` returns the root's exit reason, or raises
-:class:`~supervisor.errors.SupervisorFailed` naming the offending leaf when the root gave up
+:class:`~erlay.supervisor.errors.SupervisorFailed` naming the offending leaf when the root gave up
 because restart intensity was exceeded somewhere below it.
 """
 
@@ -18,14 +18,14 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from supervisor.actor_child import ActorProcess, actor_starter
-from supervisor.errors import ChildNotRunning, SupervisorFailed
-from supervisor.events import EventSink, LoggingSink
-from supervisor.hosted import InProcessChild
-from supervisor.procs import ProcessKeeper, process_keeper
-from supervisor.reason import ExitReason
-from supervisor.runtime import ChildProcess, NestedSupervisor, Starter, Supervisor
-from supervisor.spec import (
+from erlay.supervisor.actor_child import ActorProcess, actor_starter
+from erlay.supervisor.errors import ChildNotRunning, SupervisorFailed
+from erlay.supervisor.events import EventSink, LoggingSink
+from erlay.supervisor.hosted import InProcessChild
+from erlay.supervisor.procs import ProcessKeeper, process_keeper
+from erlay.supervisor.reason import ExitReason
+from erlay.supervisor.runtime import ChildProcess, NestedSupervisor, Starter, Supervisor
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,
@@ -33,7 +33,7 @@ from supervisor.spec import (
     SubprocessStart,
     SupervisorFlags,
 )
-from supervisor.subprocess_child import SubprocessChild
+from erlay.supervisor.subprocess_child import SubprocessChild
 
 T = TypeVar("T")
 

@@ -35,7 +35,7 @@ def ray_local() -> Iterator[None]:
     """A local Ray for one test module, with more logical CPUs than the machine has."""
     import ray
 
-    from supervisor.raylocal import ensure_ray
+    from erlay.supervisor.raylocal import ensure_ray
     if ray.is_initialized():
         ray.shutdown()
     ensure_ray(num_cpus=8, include_dashboard=False)
@@ -48,7 +48,7 @@ def ray_with_dashboard() -> Iterator[None]:
     """A local Ray with the dashboard, for tests that use the state API."""
     import ray
 
-    from supervisor.raylocal import ensure_ray
+    from erlay.supervisor.raylocal import ensure_ray
     if ray.is_initialized():
         ray.shutdown()
     ensure_ray(num_cpus=8, include_dashboard=True)

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 
 class FinishReason(enum.StrEnum):
@@ -95,8 +95,8 @@ class GenerationRequest:
     """One completion to generate.  Lists are accepted and stored as tuples.
 
     ``seed`` and the completion position fully determine the sampling noise (see
-    :mod:`actors.sampling`), so the same request on any engine with the same weights yields the
-    same tokens, and a request resumed with ``prefix_ids`` continues token-for-token.
+    :mod:`erlay.actors.model.sampling`), so the same request on any engine with the same weights
+    yields the same tokens, and a request resumed with ``prefix_ids`` continues token-for-token.
     """
 
     request_id: str               # e.g. "r-000123/t0" (rollout id + turn)
@@ -163,7 +163,7 @@ class TokenChunk:
     request_id: str
     start: int                    # completion position of token_ids[0]
     token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]   # behaviour logprob of each token (see actors.sampling)
+    logprobs: tuple[float, ...]   # behaviour logprob of each token (see model.sampling)
     version: int                  # policy version whose weights produced these tokens
     finished: bool = False
     finish_reason: str | None = None  # a FinishReason value when finished

@@ -18,8 +18,8 @@ Batch invariants (what ``admit`` and ``step`` keep true between calls):
 - row ``i``'s cache holds exactly ``len(rows[i].context)`` tokens, and ``_next_logits[i]`` is
   its distribution for completion position ``rows[i].position``.
 
-Sampling uses :func:`actors.sampling.sample_rows` (row by row, exactly
-:func:`~actors.sampling.sample_token_f64`) with the request's seed and the completion
+Sampling uses :func:`erlay.actors.model.sampling.sample_rows` (row by row, exactly
+:func:`~erlay.actors.model.sampling.sample_token_f64`) with the request's seed and the completion
 position, so the tokens a request gets do not depend on what else is in the batch, on whether
 speculation drafted them (coupled verification), on whether the cache was used, or on which
 engine resumed it (up to float32 rounding of the logits, which moves a sampled token only if
@@ -36,16 +36,16 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from actors.engine_api import (
+from erlay.actors.engine.api import (
     ContextTooLong,
     FinishReason,
     GenerationRequest,
     InvalidRequest,
     TokenChunk,
 )
-from actors.mtp import Verify, draft_token, verify_draft
-from actors.policy import KVCache, PolicyModel, left_pad
-from actors.sampling import sample_rows
+from erlay.actors.model.mtp import Verify, draft_token, verify_draft
+from erlay.actors.model.policy import KVCache, PolicyModel, left_pad
+from erlay.actors.model.sampling import sample_rows
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
@@ -217,7 +217,7 @@ class DecodeBatch:
     def step(self, k: int = 0, verify: Verify = "coupled") -> list[Sequence]:
         """Sample one token for every row, then advance the rows that go on by one position.
         With ``k > 0`` and MTP heads, each row also drafts up to ``k`` more tokens, verified in
-        the same forward pass (:meth:`_speculate`; the rules are in :mod:`actors.mtp`).
+        the same forward pass (:meth:`_speculate`; the rules are in :mod:`erlay.actors.model.mtp`).
 
         Returns the sequences that finished in this step (already removed from the batch).
         """

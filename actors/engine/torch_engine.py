@@ -1,11 +1,11 @@
 """The built-in ``torch`` generation engine: an async Ray actor run as a supervised child.
 
 Run it as ``ChildSpec("engine", ActorStart(TorchEngine, kwargs={...}),
-deadlines={"decode_step": ...})``.  It implements :class:`actors.engine_api.EngineProtocol`.
+deadlines={"decode_step": ...})``.  It implements :class:`erlay.actors.engine.api.EngineProtocol`.
 
 One decode loop (an asyncio task, started by the first call that needs it) owns the model and
-the :class:`~actors.engine_core.DecodeBatch`.  Between two steps it applies, in order: a pending
-weight update, aborts, and admission of waiting requests (continuous batching, up to
+the :class:`~erlay.actors.engine.core.DecodeBatch`.  Between two steps it applies, in order: a
+pending weight update, aborts, and admission of waiting requests (continuous batching, up to
 ``max_batch`` running).  Each forward pass runs in a worker thread, so the actor's event loop
 keeps answering progress polls, aborts and weight updates while the model computes.
 
@@ -14,7 +14,7 @@ Contracts:
 - **Streaming**: ``generate`` is an async generator; Ray 2.60 streams such methods without any
   decorator (``num_returns="streaming"`` is the default for generator methods).  A request the
   engine cannot serve fails on the caller's first ``await ref`` with
-  :class:`~actors.engine_api.InvalidRequest` (a ValueError).  A ``generate`` call that is
+  :class:`~erlay.actors.engine.api.InvalidRequest` (a ValueError).  A ``generate`` call that is
   cancelled in the actor, or whose generator is closed early, aborts its request.
 - **Weight updates**: applied between steps.  Every token not yet streamed is flushed first,
   tagged with the old version, so no chunk mixes versions.  Running requests are then
@@ -30,10 +30,10 @@ Contracts:
   keeps more streams open per engine should raise ``max_concurrency`` in the ActorStart
   options.
 - **Failure**: if the decode loop raises, every held request fails with
-  :class:`~actors.engine_api.EngineFailed`, later calls are refused, and ``erlay_wait``
+  :class:`~erlay.actors.engine.api.EngineFailed`, later calls are refused, and ``erlay_wait``
   returns an error exit so the supervisor restarts the engine (let it crash).
 - **Fault injection**: the failpoints ``generation.decode_step`` (each step, in its phase) and
-  ``generation.weight_update`` (before a load) of :mod:`supervisor.failpoints`.  A ``raise``
+  ``generation.weight_update`` (before a load) of :mod:`erlay.supervisor.failpoints`.  A ``raise``
   fails the decode loop as above; a ``hang`` stalls only the decode loop, so the actor still
   answers while its progress stops, as a wedged engine does.
 """
@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.engine_api import (
+from erlay.actors.engine.api import (
     EngineFailed,
     EngineStats,
     FinishReason,
@@ -60,13 +60,13 @@ from actors.engine_api import (
     WeightsMismatch,
     drain_chunks,
 )
-from actors.engine_core import DecodeBatch, Sequence, validate_request
-from actors.policy import PolicyConfig, PolicyModel, load_numpy_state
-from actors.tail import TailWindow
-from supervisor import telemetry
-from supervisor.failpoints import afailpoint
-from supervisor.progress import Progress
-from supervisor.reason import ExitKind, ExitReason
+from erlay.actors.engine.core import DecodeBatch, Sequence, validate_request
+from erlay.actors.engine.tail import TailWindow
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state
+from erlay.supervisor import telemetry
+from erlay.supervisor.failpoints import afailpoint
+from erlay.supervisor.progress import Progress
+from erlay.supervisor.reason import ExitKind, ExitReason
 
 log = logging.getLogger("erlay.engine")
 
@@ -222,7 +222,7 @@ class TorchEngine:
 
     async def tail_report(self) -> dict[str, Any]:
         """The generation-length tail and the concurrency during it, since the last call
-        (see :class:`actors.tail.TailWindow`); the window starts afresh."""
+        (see :class:`erlay.actors.engine.tail.TailWindow`); the window starts afresh."""
         batch = self._batch
         report = self._tail.report(drafted=batch.drafted, accepted=batch.accepted)
         self._tail = TailWindow(batch.drafted, batch.accepted)

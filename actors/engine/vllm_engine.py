@@ -2,19 +2,20 @@
 
 Run it as ``ChildSpec("engine", ActorStart(VllmEngine, args=(model_config,), kwargs={...},
 ready_timeout_s=...), deadlines={"decode_step": ...})``.  It implements
-:class:`actors.engine_api.EngineProtocol`, like :class:`actors.engine_torch.TorchEngine`.
+:class:`erlay.actors.engine.api.EngineProtocol`, like
+:class:`erlay.actors.engine.torch_engine.TorchEngine`.
 
 The model: by default erlay's policy, written as a Hugging Face GPT-2 directory (see
-:mod:`actors.hf_export`) from ``initial_state`` or from the same seeded initialisation the
-learner uses, so learner and engine start from the same weights.  ``model_dir`` serves an
+:mod:`erlay.actors.model.hf_export`) from ``initial_state`` or from the same seeded initialisation
+the learner uses, so learner and engine start from the same weights.  ``model_dir`` serves an
 existing GPT-2 directory instead (a real checkpoint on GPU).  Prompts are token ids
 (``skip_tokenizer_init``): erlay tokenizes.
 
-Contracts (beyond :mod:`actors.engine_api`):
+Contracts (beyond :mod:`erlay.actors.engine.api`):
 
 - **Processes.**  ``erlay_ready`` makes the actor the leader of its own process group before
   vLLM spawns its EngineCore and workers, which inherit the group, the declared environment
-  and the host token (:class:`supervisor.procs.OwnGroup`).  ``erlay_terminate`` shuts vLLM
+  and the host token (:class:`erlay.supervisor.procs.OwnGroup`).  ``erlay_terminate`` shuts vLLM
   down and kills whatever is left of the group; if the actor is killed instead, the reaper
   kills the group.  Nothing outlives the child.
 - **Sampling.**  Each request is sampled with vLLM's per-request seed, derived from the
@@ -24,7 +25,7 @@ Contracts (beyond :mod:`actors.engine_api`):
   part of the output, as in the torch engine.
 - **Weight updates** go through vLLM's worker-extension route: the state is checked against
   the served shapes, staged as a safetensors file on the node (``/dev/shm`` where present),
-  and loaded in place by :class:`actors.vllm_worker.ErlayWorkerExtension` through
+  and loaded in place by :class:`erlay.actors.engine.vllm_worker.ErlayWorkerExtension` through
   ``collective_rpc``.  While it loads, running requests are cut (their tokens so far are
   flushed, tagged with the old version) and continued from their prefix under the new
   version, so no chunk mixes versions; the prefix cache is reset, since it holds keys and
@@ -37,7 +38,7 @@ Contracts (beyond :mod:`actors.engine_api`):
   EngineCore stops the ticks and the supervisor's ``decode_step`` deadline fires; vLLM's own
   health check is not consulted.
 - **Failure.**  If the EngineCore dies, every held request fails with
-  :class:`~actors.engine_api.EngineFailed` and ``erlay_wait`` returns an error exit, so the
+  :class:`~erlay.actors.engine.api.EngineFailed` and ``erlay_wait`` returns an error exit, so the
   supervisor restarts the engine.  Every call into vLLM has a timeout (``rpc_timeout_s``); a
   start that fails or runs past ``ready_timeout_s`` is a start failure, which counts against
   the restart intensity.
@@ -58,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine_api import (
+from erlay.actors.engine.api import (
     EngineFailed,
     EngineStats,
     FinishReason,
@@ -68,15 +69,15 @@ from actors.engine_api import (
     WeightsMismatch,
     drain_chunks,
 )
-from actors.engine_core import validate_request
-from actors.hf_export import hf_state, read_model_dir, write_model_dir
-from supervisor.procs import OwnGroup
-from supervisor.progress import Progress
-from supervisor.reason import ExitKind, ExitReason
+from erlay.actors.engine.core import validate_request
+from erlay.actors.model.hf_export import hf_state, read_model_dir, write_model_dir
+from erlay.supervisor.procs import OwnGroup
+from erlay.supervisor.progress import Progress
+from erlay.supervisor.reason import ExitKind, ExitReason
 
 log = logging.getLogger("erlay.engine")
 
-WORKER_EXTENSION = "actors.vllm_worker.ErlayWorkerExtension"
+WORKER_EXTENSION = "erlay.actors.engine.vllm_worker.ErlayWorkerExtension"
 DEFAULT_CPU_KV_CACHE_GB = 1
 
 
@@ -293,7 +294,7 @@ class VllmEngine:
     def _write_policy(self) -> str:
         import torch
 
-        from actors.policy import PolicyConfig, PolicyModel, state_to_numpy
+        from erlay.actors.model.policy import PolicyConfig, PolicyModel, state_to_numpy
 
         state = self._initial_state
         if state is None:

@@ -23,16 +23,16 @@ from typing import Any
 
 import ray
 
-from actors.domains import CHILD_GONE, EnginePool, JudgeClient, SandboxClient, Weights
-from actors.grpo import staleness_ok
-from actors.journal import Journal
-from actors.learner_core import TrainBatch
-from actors.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
-from actors.tokenizer import CharTokenizer
-from actors.transitions import Transition, TransitionKind, TransitionSink
-from supervisor import telemetry
-from supervisor.progress import Progress
-from supervisor.tree import ChildRef
+from erlay.actors.job.domains import CHILD_GONE, EnginePool, JudgeClient, SandboxClient, Weights
+from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
+from erlay.actors.journal.store import Journal
+from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
+from erlay.actors.learner.core import TrainBatch
+from erlay.actors.learner.grpo import staleness_ok
+from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.supervisor import telemetry
+from erlay.supervisor.progress import Progress
+from erlay.supervisor.tree import ChildRef
 
 log = logging.getLogger("erlay.rollout")
 
@@ -60,7 +60,7 @@ def demonstration_tokens(pairs: list[tuple[str, str]],
 
 
 def _length_tail(lengths: list[int]) -> dict[str, Any]:
-    from actors.tail import percentile
+    from erlay.actors.engine.tail import percentile
     return {"gen_len_p50": percentile(lengths, 0.5), "gen_len_p90": percentile(lengths, 0.9),
             "gen_len_max": max(lengths, default=None)}
 
@@ -180,7 +180,7 @@ class RolloutCoordinator:
         self.progress.end()
 
     async def _engine_tails(self) -> dict[str, Any]:
-        """The torch engines' tail reports since the last step (actors.tail), merged:
+        """The torch engines' tail reports since the last step (erlay.actors.engine.tail), merged:
         decode steps at low concurrency, their mean concurrency, draft acceptance.  Empty
         for the vllm backend, and for an engine that is restarting."""
         if self.cfg.engine.backend != "torch" or self.engines is None:

@@ -1,7 +1,7 @@
 """Clients the rollout coordinator uses to reach the other fault domains.
 
 Each client follows its children across restarts through the supervision tree (a
-:class:`~supervisor.tree.ChildRef` per child) and turns a child's failure into a retry, a
+:class:`~erlay.supervisor.tree.ChildRef` per child) and turns a child's failure into a retry, a
 failover or a marked result, never a crash of the coordinator:
 
 - :class:`EnginePool` picks the least-loaded running engine and *admits* a new incarnation
@@ -24,8 +24,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from supervisor.errors import ChildNotRunning
-from supervisor.tree import ChildRef, SupervisionTree
+from erlay.supervisor.errors import ChildNotRunning
+from erlay.supervisor.tree import ChildRef, SupervisionTree
 
 log = logging.getLogger("erlay.rollout")
 
@@ -147,7 +147,7 @@ class EngineBatcher:
     A rollout asks for a stream of its own chunks; the requests made in the same event-loop
     turn for the same engine travel together as one ``generate_many`` call, and the batcher
     hands each chunk to its rollout.  If the engine dies, every rollout in the call gets the
-    error and resumes on its own (see :mod:`actors.rollout`).
+    error and resumes on its own (see :mod:`erlay.actors.job.rollout`).
     """
 
     def __init__(self) -> None:
@@ -256,7 +256,7 @@ class JudgeClient:
 
     def __init__(self, tree: SupervisionTree, hosts: list[str], workers: list[str],
                  retries: int, clock: Callable[[], float] = time.monotonic) -> None:
-        from judges.budget import CircuitBreaker
+        from erlay.judges.budget import CircuitBreaker
         self.hosts = [tree.ref(p) for p in hosts]
         self.workers = workers
         self.retries = retries

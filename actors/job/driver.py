@@ -21,27 +21,27 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.config import ConfigError, DomainFlags, JobConfig
-from actors.job_telemetry import JobTelemetry
-from actors.journal import FsyncPolicy, Journal
-from actors.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
-from actors.rundir import RunDir
-from actors.tokenizer import CharTokenizer
-from actors.transitions import NullTransitions, TeeTransitions, TransitionSink
-from environments.base import load_environment
-from supervisor.errors import SupervisorFailed, VersionMismatch
-from supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
-from supervisor.host import host_spec
-from supervisor.raylocal import alive_nodes, ensure_ray, shutdown_ray
-from supervisor.reason import ExitReason
-from supervisor.spec import (
+from erlay.actors.config import ConfigError, DomainFlags, JobConfig
+from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
+from erlay.actors.journal.store import FsyncPolicy, Journal
+from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
+from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.actors.observe.telemetry import JobTelemetry
+from erlay.actors.rundir import RunDir
+from erlay.environments.base import load_environment
+from erlay.supervisor.errors import SupervisorFailed, VersionMismatch
+from erlay.supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
+from erlay.supervisor.host import host_spec
+from erlay.supervisor.raylocal import alive_nodes, ensure_ray, shutdown_ray
+from erlay.supervisor.reason import ExitReason
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,
     SupervisorFlags,
     SupervisorStart,
 )
-from supervisor.tree import SupervisionTree
+from erlay.supervisor.tree import SupervisionTree
 
 log = logging.getLogger("erlay.job")
 ROOT = "erlay"
@@ -144,7 +144,7 @@ class Job:
         model_dir = self.cfg.engine.vllm.model_dir
         if self.cfg.engine.backend == "vllm" and model_dir:
             # The served checkpoint fixes the policy's shape; the learner loads its weights.
-            from actors.hf_export import read_model_dir
+            from erlay.actors.model.hf_export import read_model_dir
             shape, _ = read_model_dir(model_dir)
             if shape["vocab_size"] < self.tokenizer.vocab_size:
                 raise ConfigError(f"engine.vllm.model_dir: its vocabulary ({shape['vocab_size']}"
@@ -163,7 +163,7 @@ class Job:
         """The start spec of one generation engine of the configured backend."""
         cfg = self.cfg
         if cfg.engine.backend == "vllm":
-            from actors.engine_vllm import VllmEngine
+            from erlay.actors.engine.vllm_engine import VllmEngine
             vllm = cfg.engine.vllm
             options = {**opts, "num_gpus": vllm.num_gpus} if vllm.num_gpus else opts
             return ActorStart(VllmEngine, args=(model,), kwargs=dict(
@@ -171,7 +171,7 @@ class Job:
                 speculative_config=vllm.speculative_config, engine_args=dict(vllm.engine_args),
                 rpc_timeout_s=vllm.rpc_timeout_s, torch_threads=cfg.engine.torch_threads),
                 options=options, ready_timeout_s=vllm.start_timeout_s)
-        from actors.engine_torch import TorchEngine
+        from erlay.actors.engine.torch_engine import TorchEngine
         return ActorStart(TorchEngine, args=(model,), kwargs=dict(
             max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
             seed=cfg.run.seed, spec_k=cfg.engine.spec_k,
@@ -179,8 +179,8 @@ class Job:
             spec_verify=cfg.engine.spec_verify), options=opts)
 
     def build(self) -> SupervisionTree:
-        from actors.coordinator import RolloutCoordinator
-        from actors.learner import Learner
+        from erlay.actors.job.coordinator import RolloutCoordinator
+        from erlay.actors.learner.rank import Learner
 
         cfg, sup = self.cfg, self.cfg.supervision
         model = self.model_config()
@@ -211,7 +211,7 @@ class Job:
         pool = SupervisorFlags("simple_one_for_one", intensity=sup.sandbox.intensity,
                                period=sup.sandbox.period)
         sandbox_template = ChildSpec("sandbox", InProcessStart(
-            "sandbox.worker:SandboxWorker", args=(dict(cfg.sandbox.limits),)),
+            "erlay.sandbox.worker:SandboxWorker", args=(dict(cfg.sandbox.limits),)),
             deadlines={"tool_call": self._tool_deadline()})
         workers = cfg.sandbox.workers_per_node
         # Each worker runs code as its own uid (60000 + slot); hosts that share a machine
@@ -223,7 +223,7 @@ class Job:
         judge_pool = SupervisorFlags("simple_one_for_one", intensity=sup.judge.intensity,
                                      period=sup.judge.period)
         judge_template = ChildSpec("judge", InProcessStart(
-            "judges.worker:JudgeWorker", args=(cfg.judge.cls, dict(cfg.judge.kwargs),
+            "erlay.judges.worker:JudgeWorker", args=(cfg.judge.cls, dict(cfg.judge.kwargs),
                                                cfg.judge.timeout_s)),
             deadlines={"judge_call": cfg.judge.timeout_s * 3})
         judge_hosts = [host_spec(f"node-{i}", judge_pool, (judge_template,), node_id=node,
@@ -293,7 +293,7 @@ class Job:
             return self._end(JobResult("failed", why, time.time() - started, self.run_dir))
         self.telemetry.start(self.span_exporter)
         tree = self.build()
-        from actors.status import StatusPublisher
+        from erlay.actors.observe.status import StatusPublisher
         status = StatusPublisher.for_job(self, tree)  # `erlay status` reads what it publishes
         try:
             status.start()  # before the boot, so that a slow boot shows too
@@ -327,7 +327,7 @@ class Job:
     def _append_attribution(self) -> None:
         """The failure-attribution table (by domain and cause, with recovery times and
         goodput cost) at the end of summary.md; ``erlay report`` has the full report."""
-        from actors.report import attribution_section
+        from erlay.actors.observe.report import attribution_section
         try:
             lines = attribution_section(self.run_dir.path)
         except Exception:  # the summary without the table beats no summary

@@ -4,9 +4,9 @@ Before the tree starts, :func:`prepare_nodes` runs one task on every alive node 
 it, no CPU) that
 
 - seeds the node's JIT and compile caches from the shared archive, in one sequential
-  extraction (:class:`supervisor.jitcache.JitCache`; ``node.jit_cache``),
-- reports the node's stack versions (:func:`supervisor.versions.stack_versions`) and its
-  topology (:func:`supervisor.topology.discover`: GPUs and NVLink domain),
+  extraction (:class:`erlay.supervisor.node.jitcache.JitCache`; ``node.jit_cache``),
+- reports the node's stack versions (:func:`erlay.supervisor.node.versions.stack_versions`) and its
+  topology (:func:`erlay.supervisor.node.topology.discover`: GPUs and NVLink domain),
 
 and the driver fails fast, with a table of what differs, if the nodes' versions differ
 (``node.check_versions``), before any component starts.
@@ -14,7 +14,7 @@ and the driver fails fast, with a table of what differs, if the nodes' versions 
 Every actor of the job gets :func:`actor_env` in its ``runtime_env``: the declared
 environment (``node.env`` and the driver's values of ``node.env_passthrough``), the cache
 directories, and ``ERLAY_NUMA_BIND`` (each GPU worker then binds itself to its GPU's local
-CPUs and memory, see :mod:`supervisor.actor_child`).  Node hosts forward the declared
+CPUs and memory, see :mod:`erlay.supervisor.actor_child`).  Node hosts forward the declared
 environment to every process they spawn, and those to theirs.
 
 At the end, :func:`finish_nodes` asks every node to archive its caches; one elected node
@@ -30,9 +30,10 @@ from typing import Any
 
 import ray
 
-from actors.config import NodeSection
-from supervisor.actor_child import NUMA_ENV
-from supervisor.versions import capture_env, check_consistent, stack_versions
+from erlay.actors.config import NodeSection
+from erlay.supervisor.actor_child import INIT_ENV
+from erlay.supervisor.node.numa import NUMA_ENV
+from erlay.supervisor.node.versions import capture_env, check_consistent, stack_versions
 
 log = logging.getLogger("erlay.node")
 
@@ -58,7 +59,7 @@ def declared_env(cfg: NodeSection, environ: dict[str, str] | None = None) -> dic
 def _jit_spec(cfg: NodeSection) -> Any:
     if cfg.jit_cache.archive_dir is None:
         return None
-    from supervisor.jitcache import CacheSpec
+    from erlay.supervisor.node.jitcache import CacheSpec
     return CacheSpec(archive_dir=Path(cfg.jit_cache.archive_dir),
                      local_root=Path(cfg.jit_cache.local_dir))
 
@@ -68,10 +69,11 @@ def actor_env(cfg: NodeSection, environ: dict[str, str] | None = None) -> dict[s
     env = declared_env(cfg, environ)
     spec = _jit_spec(cfg)
     if spec is not None:
-        from supervisor.jitcache import cache_env
+        from erlay.supervisor.node.jitcache import cache_env
         env.update(cache_env(spec.local_root, spec.extra, spec.flags))
     if cfg.numa_bind:
         env[NUMA_ENV] = "1"
+        env[INIT_ENV] = "erlay.supervisor.node.numa:bind_from_env"
     return env
 
 
@@ -79,10 +81,10 @@ def _prepare(label: str, spec: Any) -> NodeReport:
     """On one node: seed its caches, report its versions and topology."""
     import socket
 
-    from supervisor.topology import TopologyError, discover
+    from erlay.supervisor.node.topology import TopologyError, discover
     seed = "off"
     if spec is not None:
-        from supervisor.jitcache import JitCache
+        from erlay.supervisor.node.jitcache import JitCache
         result = JitCache(spec).seed()
         seed = result.status + (f" ({result.files} files)" if result.files else "")
     try:
@@ -95,7 +97,7 @@ def _prepare(label: str, spec: Any) -> NodeReport:
 
 def _archive(label: str, spec: Any, run_id: str) -> str | None:
     """On one node: stand for election as the run's archiver; write the archive if elected."""
-    from supervisor.jitcache import JitCache
+    from erlay.supervisor.node.jitcache import JitCache
     cache = JitCache(spec)
     path = cache.archive(cache.elect(run_id))
     return None if path is None else str(path)
@@ -119,7 +121,7 @@ def gather_reports(cfg: NodeSection, nodes: list[str], timeout_s: float = 300.0
 
 def prepare_nodes(cfg: NodeSection, nodes: list[str]) -> list[NodeReport]:
     """Seed, report and check every node (see the module docstring).  Raises
-    :class:`~supervisor.errors.VersionMismatch`, whose message is the table, when the nodes'
+    :class:`~erlay.supervisor.errors.VersionMismatch`, whose message is the table, when the nodes'
     versions differ and ``check_versions`` is on."""
     reports = gather_reports(cfg, nodes)
     for report in reports:

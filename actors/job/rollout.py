@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from actors.domains import (
+from erlay.actors.engine.api import GenerationRequest, TokenChunk
+from erlay.actors.job.domains import (
     CHILD_GONE,
     EngineBatcher,
     EnginePool,
@@ -29,13 +30,12 @@ from actors.domains import (
     JudgeClient,
     SandboxClient,
 )
-from actors.engine_api import GenerationRequest, TokenChunk
-from actors.sampling import rollout_seed
-from actors.tokenizer import EOS, CharTokenizer
-from actors.transitions import Transition, TransitionKind, TransitionSink
-from environments.base import Environment, Episode, tool_output_from_result
-from supervisor import telemetry
-from supervisor.failpoints import afailpoint
+from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
+from erlay.actors.model.sampling import rollout_seed
+from erlay.actors.model.tokenizer import EOS, CharTokenizer
+from erlay.environments.base import Environment, Episode, tool_output_from_result
+from erlay.supervisor import telemetry
+from erlay.supervisor.failpoints import afailpoint
 
 log = logging.getLogger("erlay.rollout")
 

@@ -4,8 +4,8 @@ A segment is a sequence of framed records, ``[u32 length][u32 crc32(payload)][pa
 (big-endian, ``zlib.crc32``), each payload compact JSON ``{"seq", "kind", "rollout_id",
 "data"}`` with ``seq`` counting every record since the journal began.  A snapshot is one
 framed record ``{"format", "segment", "seq", "state"}``: the folded state through the end of
-segment ``segment``, named ``snapshot-<segment>.snap``.  See :mod:`actors.journal` for the
-writer, the durability contract and what recovery does with damage; :func:`recover` is the
+segment ``segment``, named ``snapshot-<segment>.snap``.  See :mod:`erlay.actors.journal.store` for
+the writer, the durability contract and what recovery does with damage; :func:`recover` is the
 one place that decides it, and it modifies nothing in read-only mode.
 """
 
@@ -21,9 +21,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.journal_state import JournalState, apply, state_from_dict
-from actors.transitions import Transition
-from supervisor.errors import ErlayError
+from erlay.actors.journal.state import JournalState, apply, state_from_dict
+from erlay.actors.journal.transitions import Transition
+from erlay.supervisor.errors import ErlayError
 
 log = logging.getLogger("erlay.journal")
 

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.journal import Journal, JournalNotFound, list_files
-from actors.journal_state import JournalState, RolloutRecord, RolloutState
-from supervisor.errors import ErlayError
+from erlay.actors.journal.state import JournalState, RolloutRecord, RolloutState
+from erlay.actors.journal.store import Journal, JournalNotFound, list_files
+from erlay.supervisor.errors import ErlayError
 
 JOURNAL_DIR = "journal"
 

@@ -1,11 +1,11 @@
 """The rollout journal's folded state: a pure fold of transitions, with no I/O.
 
-:func:`apply` folds one :class:`~actors.transitions.Transition` into a :class:`JournalState`.
-The journal calls it on every record and again, in the same order, on recovery, so the live
-state and the recovered state are equal by construction.  The fold never raises on odd input:
-a transition for an unknown rollout, a second completion, a tool result nobody asked for are
-each counted in ``JournalState.anomalies`` (by reason) and folded as far as they make sense,
-because a journal that cannot be recovered is worse than one with a counted oddity.
+:func:`apply` folds one :class:`~erlay.actors.journal.transitions.Transition` into a
+:class:`JournalState`. The journal calls it on every record and again, in the same order, on
+recovery, so the live state and the recovered state are equal by construction.  The fold never
+raises on odd input: a transition for an unknown rollout, a second completion, a tool result nobody
+asked for are each counted in ``JournalState.anomalies`` (by reason) and folded as far as they make
+sense, because a journal that cannot be recovered is worse than one with a counted oddity.
 
 What a rollout keeps depends on its state (:class:`RolloutState`):
 
@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, assert_never
 
-from actors.transitions import Transition, TransitionKind
+from erlay.actors.journal.transitions import Transition, TransitionKind
 
 # One history entry: (transition kind, reference into the record).  The reference is the
 # index into ``chunks``/``observations``, the key into ``tool_calls``/``tool_results``/

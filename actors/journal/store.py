@@ -1,8 +1,8 @@
 """The rollout journal: a durable, append-only log of every rollout transition.
 
-:class:`Journal` is the coordinator's :class:`~actors.transitions.TransitionSink`.  Every
-``record`` appends one framed record to the current segment, hands it to the OS, and folds it
-into the live :class:`~actors.journal_state.JournalState`; recovery folds the same records
+:class:`Journal` is the coordinator's :class:`~erlay.actors.journal.transitions.TransitionSink`.
+Every ``record`` appends one framed record to the current segment, hands it to the OS, and folds it
+into the live :class:`~erlay.actors.journal.state.JournalState`; recovery folds the same records
 in the same order, so ``journal.state`` after a reopen equals the state before the close.
 
 Durability contract.  When ``record`` returns, the record has been written to the OS (the
@@ -39,8 +39,8 @@ file aside as ``*.corrupt`` and writes a fresh snapshot.  Leftover ``*.tmp`` fil
 mid-snapshot) are ignored, and removed by a writer.  ``read_only=True`` recovers the same
 state but never modifies, truncates or removes anything (for inspection of a live run).
 
-The format and recovery live in :mod:`actors.journal_format`, the fold in
-:mod:`actors.journal_state`; this module is the writer.
+The format and recovery live in :mod:`erlay.actors.journal.format`, the fold in
+:mod:`erlay.actors.journal.state`; this module is the writer.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, assert_never
 
-from actors.journal_format import (
+from erlay.actors.journal.format import (
     HEADER,
     SEGMENT_FILE,
     SNAPSHOT_FILE,
@@ -76,9 +76,9 @@ from actors.journal_format import (
     segment_name,
     snapshot_name,
 )
-from actors.journal_state import JournalState, apply, compact, state_to_dict
-from actors.transitions import Transition
-from supervisor.clock import Clock, SystemClock
+from erlay.actors.journal.state import JournalState, apply, compact, state_to_dict
+from erlay.actors.journal.transitions import Transition
+from erlay.supervisor.clock import Clock, SystemClock
 
 __all__ = [
     "HEADER", "FsyncPolicy", "Journal", "JournalBusy", "JournalClosed", "JournalCorrupt",

@@ -66,7 +66,7 @@ import torch
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from torch import distributed as dist
 
-from actors.checkpoint_format import (
+from erlay.actors.learner.checkpoint_format import (
     TMP_PREFIX,
     CheckpointInfo,
     CheckpointInvalid,
@@ -78,7 +78,7 @@ from actors.checkpoint_format import (
     step_dir_name,
     write_checkpoint_dir,
 )
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 __all__ = ["AsyncCheckpointer", "CheckpointInfo", "CheckpointInvalid", "CheckpointSaveFailed",
            "ensure_process_group", "latest", "list_checkpoints", "load"]

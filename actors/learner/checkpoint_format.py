@@ -1,6 +1,6 @@
 """The on-disk format of learner checkpoints: writing one checkpoint directory, and finding,
-checking and loading complete ones.  :mod:`actors.checkpoint` runs the writing in a background
-worker and commits directories into place.
+checking and loading complete ones.  :mod:`erlay.actors.learner.checkpoint` runs the writing in a
+background worker and commits directories into place.
 
 A checkpoint is a directory ``root/step-XXXXXXXX`` holding ``state.pt`` (``torch.save`` of
 the state) and ``manifest.json``: format, step, creation time, each file's size and sha256,
@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 log = logging.getLogger("erlay.checkpoint")
 

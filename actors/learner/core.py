@@ -1,5 +1,6 @@
-"""The learner's state and update rules, without Ray: what :class:`actors.learner.Learner`
-runs inside its actor, and what the unit tests drive directly.
+"""The learner's state and update rules, without Ray: what
+:class:`erlay.actors.learner.rank.Learner` runs inside its actor, and what the unit tests drive
+directly.
 
 Contracts:
 
@@ -39,10 +40,10 @@ import numpy as np
 import torch
 from torch import distributed as dist
 
-from actors.grpo import group_advantages, grpo_loss
-from actors.mtp import mtp_loss
-from actors.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
-from supervisor.progress import Progress
+from erlay.actors.learner.grpo import group_advantages, grpo_loss
+from erlay.actors.model.mtp import mtp_loss
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
+from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.learner")
 
@@ -184,8 +185,8 @@ def pad_rows(rows: list[list[Any]], width: int, dtype: torch.dtype) -> torch.Ten
 class LearnerCore:
     """One learner rank: the policy, its optimiser, versions, and the GRPO and SFT updates.
 
-    ``model_config`` holds :class:`~actors.policy.PolicyConfig`'s fields.  The optimiser is
-    AdamW (with ``weight_decay=0`` it is exactly Adam).  A frozen reference policy exists only
+    ``model_config`` holds :class:`~erlay.actors.model.policy.PolicyConfig`'s fields.  The optimiser
+    is AdamW (with ``weight_decay=0`` it is exactly Adam).  A frozen reference policy exists only
     when ``kl_coef > 0``; it is the policy RL starts from: the initial weights, replaced by
     the result of each :meth:`sft` warm start.  ``minibatches`` optimiser steps are taken per
     train step, each on a contiguous slice of the batch, all against the same proximal
@@ -219,7 +220,7 @@ class LearnerCore:
         # The engines' sampling temperature: RL logprobs are scored under the same tempered
         # distribution as the behaviour logprobs, or the importance weights would be wrong.
         self.temperature = temperature
-        # MTP boosting: the heads train on every batch beside the policy (actors.mtp).
+        # MTP boosting: the heads train on every batch beside the policy (erlay.actors.model.mtp).
         self.mtp_loss_weight = mtp_loss_weight if self.config.mtp_heads else 0.0
         self.lr_decay_steps, self.lr_min_ratio = lr_decay_steps, lr_min_ratio
         self.rank, self.world_size = rank, world_size
@@ -516,7 +517,7 @@ class LearnerCore:
     def _mtp_term(self, prompts: list[list[int]], completions: list[list[int]]
                   ) -> tuple[torch.Tensor, dict[str, float]]:
         """``mtp_loss_weight`` times the heads' mean cross-entropy (it trains the heads only:
-        see :func:`actors.mtp.mtp_loss`), and its statistics."""
+        see :func:`erlay.actors.model.mtp.mtp_loss`), and its statistics."""
         total, count, accuracy = mtp_loss(self.model, prompts, completions)
         mean = total / max(count, 1)
         stats = {"mtp_loss": float(mean.detach())}

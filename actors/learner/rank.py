@@ -1,4 +1,4 @@
-"""The learner rank as a supervised actor child: :class:`~actors.learner_core.LearnerCore`
+"""The learner rank as a supervised actor child: :class:`~erlay.actors.learner.core.LearnerCore`
 plus the Ray object store.
 
 Start it as ``ChildSpec("learner-0", ActorStart(Learner, kwargs={"model_config": ...}))``.
@@ -20,10 +20,10 @@ from typing import Any
 
 import ray
 
-from actors.checkpoint import AsyncCheckpointer, ensure_process_group, latest, load
-from actors.learner_core import LearnerCore, TrainBatch
-from supervisor import failpoints
-from supervisor.failpoints import Action, failpoint
+from erlay.actors.learner.checkpoint import AsyncCheckpointer, ensure_process_group, latest, load
+from erlay.actors.learner.core import LearnerCore, TrainBatch
+from erlay.supervisor import failpoints
+from erlay.supervisor.failpoints import Action, failpoint
 
 log = logging.getLogger("erlay.learner")
 
@@ -31,10 +31,10 @@ __all__ = ["Learner", "TrainBatch"]
 
 
 class Learner(LearnerCore):
-    """One learner rank; see :class:`~actors.learner_core.LearnerCore` for the contracts.
+    """One learner rank; see :class:`~erlay.actors.learner.core.LearnerCore` for the contracts.
 
-    With ``init_model_dir`` (a GPT-2 directory, see :mod:`actors.hf_export`) the policy starts
-    from its weights instead of the seeded initialisation.  With ``checkpoint_dir``, a new
+    With ``init_model_dir`` (a GPT-2 directory, see :mod:`erlay.actors.model.hf_export`) the policy
+    starts from its weights instead of the seeded initialisation.  With ``checkpoint_dir``, a new
     incarnation restores the newest committed checkpoint
     there before it serves (every rank loads the same one: one_for_all restarts them
     together), and :meth:`save_checkpoint` saves asynchronously into it.
@@ -46,8 +46,8 @@ class Learner(LearnerCore):
         if init_model_dir is not None:
             # Start from the weights the vllm engines serve (a GPT-2 directory); a checkpoint,
             # if any, replaces them below.
-            from actors.hf_export import read_model_dir
-            from actors.policy import load_numpy_state
+            from erlay.actors.model.hf_export import read_model_dir
+            from erlay.actors.model.policy import load_numpy_state
 
             _, weights = read_model_dir(init_model_dir)
             load_numpy_state(self.model, weights)

@@ -1,7 +1,7 @@
 """erlay's policy as a Hugging Face GPT-2 model directory, so vLLM can serve it.
 
-:class:`~actors.policy.PolicyModel` is GPT-2's architecture: pre-LayerNorm blocks, learned
-positions, a fused QKV projection and an exact-GELU MLP.  Only the parameter names differ,
+:class:`~erlay.actors.model.policy.PolicyModel` is GPT-2's architecture: pre-LayerNorm blocks,
+learned positions, a fused QKV projection and an exact-GELU MLP.  Only the parameter names differ,
 and HF's GPT-2 stores its 2-D projection weights transposed (``Conv1D``).  The head is
 untied (``tie_word_embeddings: false``), which vLLM's GPT-2 supports.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

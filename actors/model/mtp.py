@@ -1,13 +1,13 @@
 """Multi-token prediction: the heads' training loss and speculative verification.
 
-The policy's MTP modules (:class:`actors.policy.MTPModule`) draft the tokens after the next
-one; the built-in engine verifies the drafts with one forward pass of the base model
-(:meth:`actors.engine_core.DecodeBatch.step`).  Two verification rules, both exact:
+The policy's MTP modules (:class:`erlay.actors.model.policy.MTPModule`) draft the tokens after the
+next one; the built-in engine verifies the drafts with one forward pass of the base model
+(:meth:`erlay.actors.engine.core.DecodeBatch.step`).  Two verification rules, both exact:
 
 - ``coupled`` (the default): a draft at completion position ``p`` is drawn with the same
   uniform ``u(seed, p)`` that plain decoding uses there, and accepted iff it equals the base
-  model's own sample at ``p`` (see :mod:`actors.sampling`).  The output is token for token
-  what plain decoding produces, so the distribution is the base policy's, and a rollout
+  model's own sample at ``p`` (see :mod:`erlay.actors.model.sampling`).  The output is token for
+  token what plain decoding produces, so the distribution is the base policy's, and a rollout
   resumed from any prefix continues identically (the replay invariant holds).
 - ``rejection``: speculative sampling as in Leviathan et al. / Chen et al.: accept a draft
   ``d ~ q`` with probability ``min(1, p(d) / q(d))``, else sample from the residual
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from actors.policy import PolicyModel, left_pad
-from actors.sampling import sample_token_f64, uniform
+from erlay.actors.model.policy import PolicyModel, left_pad
+from erlay.actors.model.sampling import sample_token_f64, uniform
 
 Verify = Literal["coupled", "rejection"]
 # Seed salts of the rejection rule's extra draws (draft, accept test, residual), so they are

@@ -74,8 +74,8 @@ def sample_token(logits_row: torch.Tensor, temperature: float, seed: int,
     With ``temperature == 0`` the token is the argmax (the lowest id among ties) and the
     logprob is taken under the *untempered* softmax (temperature 1).  The greedy policy is a
     point mass whose logprob would always be 0 and tell the learner nothing; the temperature-1
-    value is what :func:`actors.policy.sequence_logprobs` computes for the same token, so it can
-    be compared with the learner's logprob directly.
+    value is what :func:`erlay.actors.model.policy.sequence_logprobs` computes for the same token,
+    so it can be compared with the learner's logprob directly.
 
     Raises ValueError for a non-1-D row, a negative or non-finite temperature, or logits with
     no finite probability mass (NaN weights must fail loudly, not sample garbage).

@@ -1,7 +1,8 @@
 """Failure attribution: which fault domain cost the run what.
 
 Pure functions over a run's parsed supervisor events and metrics records; no I/O and no
-plotting (:mod:`actors.report` does both).  The definitions, which the report restates:
+plotting (:mod:`erlay.actors.observe.report` does both).  The definitions, which the report
+restates:
 
 - A *failure* is an abnormal exit (any reason but ``normal`` / ``shutdown``), a
   ``start_error`` or a ``hang``.  A hang and the exit of the kill it causes are one failure,
@@ -30,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 DOMAINS = ("learner", "generation", "sandbox", "judge", "rollout")
 OTHER = "other"

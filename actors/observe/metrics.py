@@ -6,7 +6,7 @@ gauges for goodput and throughput.  Every series carries the tag ``run`` (the ru
 runs sharing a cluster stay apart.
 
 Where the numbers go.  ``ray.util.metrics`` in Ray 2.60 records from any process with a
-Ray core worker, the driver included (checked by ``tests/actors/test_ray_metrics.py``, which
+Ray core worker, the driver included (checked by ``tests/actors/observe/test_metrics.py``, which
 records from the test's driver): the core worker exports to the node's metrics agent every
 ``metrics_report_interval_ms`` (10 s by default), and the agent serves Prometheus text at
 ``http://<node>:<MetricsExportPort>/metrics``.  Ray prefixes every application metric with

@@ -7,8 +7,8 @@ as well as a finished one: a torn last line is skipped, and a missing ``summary.
 report and a figure left out, never a traceback.
 
 ``report.md`` holds an overview, the failure-attribution table (by domain and cause, with
-recovery times and goodput cost; definitions in :mod:`actors.attribution`), the failures
-one by one, and four figures: ``reward.png``, ``throughput.png``, ``restarts.png`` and
+recovery times and goodput cost; definitions in :mod:`erlay.actors.observe.attribution`), the
+failures one by one, and four figures: ``reward.png``, ``throughput.png``, ``restarts.png`` and
 ``gen_latency.png``.  ``events.jsonl`` is the source for failures; telemetry spans only for
 the generation-latency distribution.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from actors.attribution import (
+from erlay.actors.observe.attribution import (
     DOMAINS,
     OTHER,
     AttributionRow,
@@ -43,9 +43,9 @@ from actors.attribution import (
     share_line,
     step_windows,
 )
-from actors.rundir import RunDir, reward_window
-from supervisor.errors import ErlayError
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.actors.rundir import RunDir, reward_window
+from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 log = logging.getLogger("erlay.report")
 

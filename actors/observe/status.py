@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 log = logging.getLogger("erlay.status")
 
@@ -417,7 +417,7 @@ def _connect(address: str) -> str | None:
     """Attach to the cluster at ``address``; None, or why not (for the user)."""
     if not _reachable(address):
         return "nothing listens there"
-    from supervisor.raylocal import ensure_ray
+    from erlay.supervisor.raylocal import ensure_ray
     _local_token_auth(address)
     try:
         ensure_ray(address, logging_level=logging.ERROR, log_to_driver=False)

@@ -1,9 +1,9 @@
 """The driver's telemetry hub: one object the job and its coordinator report to.
 
-It owns the driver's OpenTelemetry providers (:mod:`supervisor.telemetry`), the metric
-instruments, their mirror as Ray application metrics (:mod:`actors.ray_metrics`, for the
+It owns the driver's OpenTelemetry providers (:mod:`erlay.supervisor.telemetry`), the metric
+instruments, their mirror as Ray application metrics (:mod:`erlay.actors.observe.metrics`, for the
 dashboard and Prometheus) and the supervisor event sink that turns failures, restarts and
-escalations into spans (:class:`supervisor.otel.TracingEventSink`).
+escalations into spans (:class:`erlay.supervisor.otel.TracingEventSink`).
 
 Metrics (OpenTelemetry names; the Ray mirror uses ``erlay_*`` names):
 
@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from actors.config import TelemetrySection
-from supervisor import telemetry
-from supervisor.otel import TracingEventSink
+from erlay.actors.config import TelemetrySection
+from erlay.supervisor import telemetry
+from erlay.supervisor.otel import TracingEventSink
 
 log = logging.getLogger("erlay.telemetry")
 
@@ -94,7 +94,7 @@ class JobTelemetry:
             self._start_metrics()
         if self.cfg.ray_metrics:
             try:
-                from actors.ray_metrics import RayMetrics
+                from erlay.actors.observe.metrics import RayMetrics
                 self.ray = RayMetrics(self.run_name)
             except Exception:  # the dashboard mirror is optional
                 log.warning("Ray metrics are off: they could not be set up", exc_info=True)

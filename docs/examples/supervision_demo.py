@@ -1,4 +1,9 @@
-"""`erlay demo`: a local supervision tree surviving kills, the first thing a new user sees.
+"""A local supervision tree surviving kills: erlay's OTP core on its own, with no RL.
+
+    python docs/examples/supervision_demo.py [--kills 8] [--interval 0.5]
+
+It uses only the public API of :mod:`erlay.supervisor` (spec, tree, host, events), so it is
+also the shortest example of supervising your own components with erlay.
 
 The tree has a root with two domains: ``gen`` holds actor children (dedicated Ray actors) and
 ``pool`` holds one node host with in-process and subprocess children.  On a schedule the demo
@@ -21,11 +26,11 @@ from typing import Any
 
 import psutil
 
-from supervisor.events import EventKind, FanoutSink, LoggingSink, MemorySink
-from supervisor.host import host_spec
-from supervisor.progress import Progress
-from supervisor.raylocal import ensure_ray, local_node_id, shutdown_ray
-from supervisor.spec import (
+from erlay.supervisor.events import EventKind, FanoutSink, LoggingSink, MemorySink
+from erlay.supervisor.host import host_spec
+from erlay.supervisor.progress import Progress
+from erlay.supervisor.raylocal import ensure_ray, local_node_id, shutdown_ray
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,
@@ -33,7 +38,7 @@ from supervisor.spec import (
     SupervisorFlags,
     SupervisorStart,
 )
-from supervisor.tree import SupervisionTree
+from erlay.supervisor.tree import SupervisionTree
 
 HANG_DEADLINE_S = 1.0
 SLEEPER = ("import os, time\n"
@@ -191,3 +196,17 @@ def _count_by_path(events: list[Any]) -> str:
     for e in events:
         counts[e.path] = counts.get(e.path, 0) + 1
     return ", ".join(f"{p.removeprefix('erlay/')}={n}" for p, n in counts.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(description="a local supervision tree surviving kills")
+    parser.add_argument("--kills", type=int, default=8, help="faults to inject (default 8)")
+    parser.add_argument("--interval", type=float, default=0.5,
+                        help="seconds between faults (default 0.5)")
+    args = parser.parse_args(argv)
+    return run_demo(kills=args.kills, interval_s=args.interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,8 +28,8 @@ The CPUs "this process may use" are its current affinity, so binding only ever n
 process already bound to one GPU's CPUs cannot be rebound to another GPU's.
 
 Binding a child at spawn (:func:`bound_argv`) prefixes its command with a tiny wrapper,
-``python -I -S -c <supervisor.numa.main> --cpus ... --numa ... -- <command>`` (isolated and
-without site: it needs only the standard library and this package, found from this file's
+``python -I -S -c <erlay.supervisor.node.numa.main> --cpus ... --numa ... -- <command>`` (isolated
+and without site: it needs only the standard library and this package, found from this file's
 location).  The wrapper binds itself, then replaces itself with the command (``execvp``).
 Affinity and memory policy survive ``exec`` and are inherited through ``fork``, so the
 command, all its threads and everything it spawns run bound from their first instruction,
@@ -50,10 +50,9 @@ import platform
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from supervisor.errors import NumaBindError
+from erlay.supervisor.errors import NumaBindError
 
 log = logging.getLogger("erlay.supervisor.numa")
 
@@ -64,8 +63,9 @@ AffinityMap = Mapping[Any, Mapping[str, object]]  # keys: int GPU indexes or the
 SET_MEMPOLICY: Mapping[str, int] = {"x86_64": 238, "aarch64": 237, "riscv64": 237}
 _MAX_NODES = 1024
 _NOT_A_LIST = {"", "n/a", "none"}
-_WRAPPER = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
-            "from supervisor.numa import main; main()")
+# Run with -I (no user site, no script directory), but with site: erlay is found where it is
+# installed, wheel or editable.
+_WRAPPER = "from erlay.supervisor.node.numa import main; main()"
 
 
 class MemPolicy(enum.StrEnum):
@@ -204,7 +204,7 @@ def wrapper_argv(argv: Sequence[str], binding: Binding,
     """``argv`` run through the binding wrapper, or ``argv`` itself for a no-op binding."""
     if not binding.bound:
         return list(argv)
-    wrapper = [python, "-I", "-S", "-c", _WRAPPER, "--cpus", format_cpu_list(binding.cpus)]
+    wrapper = [python, "-I", "-c", _WRAPPER, "--cpus", format_cpu_list(binding.cpus)]
     if binding.numa is not None:
         wrapper += ["--numa", str(binding.numa), "--policy", policy.value]
     return [*wrapper, "--", *argv]
@@ -306,7 +306,7 @@ def main(args: Sequence[str] | None = None) -> None:
     Exits 126 when the CPUs cannot be set and 127 when the command cannot be executed.
     """
     logging.basicConfig(level=logging.WARNING, format="erlay.numa: %(message)s")
-    parser = argparse.ArgumentParser(prog="supervisor.numa")
+    parser = argparse.ArgumentParser(prog="erlay.supervisor.node.numa")
     parser.add_argument("--cpus", required=True)
     parser.add_argument("--numa", type=int)
     parser.add_argument("--policy", choices=[p.value for p in MemPolicy],
@@ -334,3 +334,18 @@ def main(args: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+NUMA_ENV = "ERLAY_NUMA_BIND"
+
+
+def bind_from_env(environ: Mapping[str, str] | None = None) -> None:
+    """An actor init hook (``ERLAY_ACTOR_INIT``, see :mod:`erlay.supervisor.actor_child`):
+    with ``ERLAY_NUMA_BIND=1`` and a visible GPU, bind this process (every thread, and what
+    it spawns later) to the CPUs and memory local to that GPU, from this node's
+    ``nvidia-smi topo -m``.  Without a GPU: nothing, not even the probe."""
+    environ = os.environ if environ is None else environ
+    if environ.get(NUMA_ENV) != "1" or visible_gpu(environ) is None:
+        return
+    from erlay.supervisor.node import topology
+    bind_to_visible_gpu(topology.affinity_map(topology.discover()), environ)

@@ -18,8 +18,8 @@ The pure core:
 
 The Ray shell, :func:`create_placement_group`, turns a plan into a placement group of one
 bundle per GPU.  Each bundle asks for one GPU, one unit of ``nvlink_domain_<domain>`` and one
-unit of ``gpu_host_<hostname>`` (registered per node, see :mod:`supervisor.topology`), so Ray
-puts bundle ``i`` on the planned node and can never move it out of the planned domain.  Ray
+unit of ``gpu_host_<hostname>`` (registered per node, see :mod:`erlay.supervisor.node.topology`), so
+Ray puts bundle ``i`` on the planned node and can never move it out of the planned domain.  Ray
 still chooses which of that node's GPUs a bundle gets (``CUDA_VISIBLE_DEVICES``); the plan's
 GPU index is the intended one, and the count per node is exact.
 """
@@ -31,8 +31,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from supervisor.errors import ErlayError
-from supervisor.topology import NodeTopology, TopoRank, domain_resource, host_resource
+from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.node.topology import NodeTopology, TopoRank, domain_resource, host_resource
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup

@@ -31,7 +31,7 @@ Contracts:
 Ray: :func:`ray_resources` and :func:`ray_labels` are what a node registers with
 ``ray start --resources/--labels`` (:func:`ray_start_args`), ``ray.init(resources=...,
 labels=...)`` or ``Cluster.add_node(resources=..., labels=...)``.  Placement
-(:mod:`supervisor.placement`) pins bundles with those resources.
+(:mod:`erlay.supervisor.node.placement`) pins bundles with those resources.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from supervisor.errors import ErlayError
+from erlay.supervisor.errors import ErlayError
 
 log = logging.getLogger("erlay.topology")
 
@@ -381,7 +381,7 @@ def no_gpus(hostname: str, env: Mapping[str, str]) -> NodeTopology:
 
 
 def affinity_map(topology: NodeTopology) -> dict[int, dict[str, object]]:
-    """The per-GPU affinity map :mod:`supervisor.numa` binds workers with:
+    """The per-GPU affinity map :mod:`erlay.supervisor.node.numa` binds workers with:
     ``{index: {"cpus": "0-55,112-167", "numa": 0}}`` (``"N/A"``/``None`` where unknown).
 
     A GPU whose NUMA affinity lists several nodes (Grace: ``0,2-17``, the CPU's node then the

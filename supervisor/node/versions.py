@@ -3,11 +3,11 @@
 Environment: :func:`capture_env` picks the declared variables (names or globs such as
 ``NCCL_*``) out of an environment, typically the driver's, to be handed to the node hosts as
 their ``env``.  A host adds that set to every subprocess it spawns
-(:class:`~supervisor.procs.ProcessKeeper`), and those pass it on to what they spawn.
+(:class:`~erlay.supervisor.procs.ProcessKeeper`), and those pass it on to what they spawn.
 
 Versions: :func:`stack_versions` reports, for one process, the versions that must agree
 across nodes; :func:`version_mismatches` (pure) compares reports gathered per node, and
-:func:`check_consistent` raises :class:`~supervisor.errors.VersionMismatch` with a node x
+:func:`check_consistent` raises :class:`~erlay.supervisor.errors.VersionMismatch` with a node x
 package table of what differs.  A package present on some nodes and missing on others is a
 mismatch; one missing everywhere is not.
 """
@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.errors import VersionMismatch
+from erlay.supervisor.errors import VersionMismatch
 
 # Report key -> distributions that provide it, the usual one first.
 PACKAGES: Mapping[str, tuple[str, ...]] = {

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import ConfigError, JobConfig, load_config
+from erlay.actors.config import ConfigError, JobConfig, load_config
+from tests.paths import REPO
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = REPO / "configs"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -38,14 +39,14 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
 
 
 def test_unimportable_environment_class_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"environment\.class: cannot import module "
-                                          r"'no_such_pkg\.envs' \(No module named"):
+    with pytest.raises(ConfigError, match=r"environment\.class: cannot import class module "
+                                          r"'no_such_pkg\.envs' .*No module named"):
         load_config(write(tmp_path, "environment:\n  class: no_such_pkg.envs:Env\n"))
 
 
 def test_missing_attribute_of_environment_module_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no attribute 'Nope'"):
-        load_config(write(tmp_path, "environment:\n  class: environments.base:Nope\n"))
+        load_config(write(tmp_path, "environment:\n  class: erlay.environments.base:Nope\n"))
 
 
 def test_not_a_mapping_is_rejected(tmp_path: Path) -> None:
@@ -108,3 +109,17 @@ def test_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
     cfg = load_config(None, ["run.steps=7"])
     again = load_config(write(tmp_path, cfg.to_yaml()))
     assert again == cfg
+
+
+def test_the_configuration_page_is_generated_from_the_models() -> None:
+    """docs/configuration.md is what `python -m erlay.actors.config_reference` writes."""
+    from erlay.actors.config_reference import render
+    page = (CONFIGS.parent / "docs" / "configuration.md").read_text()
+    assert page == render(), ("docs/configuration.md is stale: regenerate it with "
+                              "python -m erlay.actors.config_reference > docs/configuration.md")
+
+
+def test_every_option_is_described_in_the_configuration_page() -> None:
+    from erlay.actors.config_reference import render
+    undescribed = [line for line in render().splitlines() if line.endswith("|  |")]
+    assert undescribed == []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from chaos.faults import FaultRecord, InvalidFaultRecord, domain_of
-from chaos.invariants import (
+from erlay.chaos.faults import FaultRecord, InvalidFaultRecord, domain_of
+from erlay.chaos.invariants import (
     INVARIANTS,
     RunObservation,
     check_all,
@@ -22,7 +22,7 @@ from chaos.invariants import (
     rollout_step,
     staleness_within_bound,
 )
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 T0 = 1_000.0  # unix time of the first fault in these scenarios
 

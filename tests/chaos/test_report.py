@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from chaos.faults import FaultRecord
-from chaos.invariants import RunObservation, Verdict
-from chaos.report import build_report, goodput, percentiles, render_markdown, write_report
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.chaos.faults import FaultRecord
+from erlay.chaos.invariants import RunObservation, Verdict
+from erlay.chaos.report import build_report, goodput, percentiles, render_markdown, write_report
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 T0 = 1_000.0
 

@@ -9,7 +9,7 @@ from typing import Any, get_args
 import pytest
 import yaml
 
-from chaos.scenario import (
+from erlay.chaos.scenario import (
     ATTACKS,
     INVARIANTS,
     ROOT,
@@ -117,12 +117,12 @@ def test_attack_payloads_cover_every_attack_kind_and_compile() -> None:
 
 
 def test_invariant_names_match_the_invariant_checks() -> None:
-    from chaos.invariants import INVARIANTS as CHECKED
+    from erlay.chaos.invariants import INVARIANTS as CHECKED
     assert set(INVARIANTS) == set(CHECKED)
 
 
 def test_root_matches_the_job_tree() -> None:
-    from actors.job import ROOT as JOB_ROOT
+    from erlay.actors.job.driver import ROOT as JOB_ROOT
     assert ROOT == JOB_ROOT
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos.runner import run_scenario
-from chaos.scenario import list_scenarios, load_scenario
+from erlay.chaos.runner import run_scenario
+from erlay.chaos.scenario import list_scenarios, load_scenario
 
 SMOKE = [name for name, _, smoke in list_scenarios() if smoke]
 pytestmark = pytest.mark.ray

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from environments.base import Episode, EpisodeStatus, StepResult
+from erlay.environments.base import Episode, EpisodeStatus, StepResult
 
 
 class MyEnv:

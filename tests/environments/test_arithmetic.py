@@ -6,9 +6,9 @@ import pickle
 
 import pytest
 
-from actors.tokenizer import ALPHABET
-from environments.arithmetic import ArithmeticEnv, has_carry
-from environments.base import EpisodeStateError, EpisodeStatus, InvalidEnvironmentConfig
+from erlay.actors.model.tokenizer import ALPHABET
+from erlay.environments.arithmetic import ArithmeticEnv, has_carry
+from erlay.environments.base import EpisodeStateError, EpisodeStatus, InvalidEnvironmentConfig
 
 
 def test_reset_is_deterministic_in_index_and_seed() -> None:

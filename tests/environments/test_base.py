@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from actors.tokenizer import ALPHABET
-from environments.base import (
+from erlay.actors.model.tokenizer import ALPHABET
+from erlay.environments.base import (
     TEXT_ALPHABET,
     Environment,
     Episode,
@@ -95,12 +95,12 @@ def test_load_environment_rejects_something_that_is_not_callable() -> None:
 
 def test_load_environment_rejects_a_path_without_a_colon() -> None:
     with pytest.raises(ValueError, match="module:Class"):
-        load_environment("environments.arithmetic.ArithmeticEnv")
+        load_environment("erlay.environments.arithmetic.ArithmeticEnv")
 
 
 def test_built_in_environments_load_by_import_path() -> None:
-    assert load_environment("environments.arithmetic:ArithmeticEnv").max_turns == 1
-    assert load_environment("environments.tool_use:ToolUseEnv", max_turns=3).max_turns == 3
+    assert load_environment("erlay.environments.arithmetic:ArithmeticEnv").max_turns == 1
+    assert load_environment("erlay.environments.tool_use:ToolUseEnv", max_turns=3).max_turns == 3
 
 
 def test_tool_output_of_a_clean_run_is_its_stdout() -> None:

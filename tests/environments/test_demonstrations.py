@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from environments.arithmetic import ArithmeticEnv
-from environments.base import Environment, tool_output_from_result
-from environments.tool_use import ToolUseEnv
-from judges.math import MathJudge
+from erlay.environments.arithmetic import ArithmeticEnv
+from erlay.environments.base import Environment, tool_output_from_result
+from erlay.environments.tool_use import ToolUseEnv
+from erlay.judges.math import MathJudge
 
 
 def play_demonstration(env: Environment, index: int) -> tuple[str | None, str]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.tokenizer import ALPHABET
-from environments.base import Episode, EpisodeStateError, EpisodeStatus, StepResult
-from environments.tool_use import ToolUseEnv
+from erlay.actors.model.tokenizer import ALPHABET
+from erlay.environments.base import Episode, EpisodeStateError, EpisodeStatus, StepResult
+from erlay.environments.tool_use import ToolUseEnv
 
 
 def start(env: ToolUseEnv | None = None) -> tuple[ToolUseEnv, Episode]:

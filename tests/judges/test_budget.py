@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from judges.base import Judgement
-from judges.budget import BreakerState, CircuitBreaker, RetryBudget, judge_with_retries
+from erlay.judges.base import Judgement
+from erlay.judges.budget import BreakerState, CircuitBreaker, RetryBudget, judge_with_retries
 
 
 class FakeClock:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from judges.base import Judgement, JudgeUsageError
-from judges.code import CodeJudge, split_tests
+from erlay.judges.base import Judgement, JudgeUsageError
+from erlay.judges.code import CodeJudge, split_tests
 
 CANDIDATE = "def square(x):\n    return x * x\n"
 TESTS = "assert square(2) == 4\nassert square(3) == 9\n"

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-import judges.math as math_judge
-from judges.base import Judgement
-from judges.math import MathJudge, result_digits_bound
+import erlay.judges.math as math_judge
+from erlay.judges.base import Judgement
+from erlay.judges.math import MathJudge, result_digits_bound
 
 
 @pytest.mark.parametrize("written", ["132", "132.0", "$132$", "\\boxed{132}", " 132 "])

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from judges.base import Judgement, load_judge
-from judges.worker import JudgeWorker
+from erlay.judges.base import Judgement, load_judge
+from erlay.judges.worker import JudgeWorker
 
 CALLS: list[str] = []
 RELEASE = threading.Event()
@@ -150,11 +150,11 @@ def test_worker_rejects_an_object_that_is_not_a_judge() -> None:
 
 def test_load_judge_names_a_missing_module() -> None:
     with pytest.raises(ImportError, match=r"judges\.no_such"):
-        load_judge("judges.no_such:Judge")
+        load_judge("erlay.judges.no_such:Judge")
 
 
 def test_judge_score_failpoint_raise_escapes_as_a_worker_fault() -> None:
-    from supervisor import failpoints
+    from erlay.supervisor import failpoints
     w = worker("CountingJudge")
     failpoints.arm("judge.score", "raise")
     try:
@@ -167,7 +167,7 @@ def test_judge_score_failpoint_raise_escapes_as_a_worker_fault() -> None:
 
 
 def test_judge_verdict_failpoint_corrupts_one_verdict_which_is_marked_not_zeroed() -> None:
-    from supervisor import failpoints
+    from erlay.supervisor import failpoints
     w = worker("CountingJudge")
     failpoints.arm("judge.verdict", "corrupt", count=1)
     try:

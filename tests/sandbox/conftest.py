@@ -13,12 +13,12 @@ from typing import Any
 import psutil
 import pytest
 
-from sandbox.isolation import RUN_TOKEN_VAR, slot_uid, unshare_works
-from sandbox.limits import SandboxLimits
-from sandbox.results import SandboxRequest, SandboxResult
-from sandbox.runner import run_in_sandbox
-from supervisor.procs import process_keeper
-from supervisor.reaper import TOKEN_VAR
+from erlay.sandbox.isolation import RUN_TOKEN_VAR, slot_uid, unshare_works
+from erlay.sandbox.limits import SandboxLimits
+from erlay.sandbox.results import SandboxRequest, SandboxResult
+from erlay.sandbox.runner import run_in_sandbox
+from erlay.supervisor.procs import process_keeper
+from erlay.supervisor.reaper import TOKEN_VAR
 
 # A slot no other test module uses, so "a process of the slot uid" means "one of ours".
 SLOT = 7

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from sandbox.classify import UNSHARE_SIGKILL_LINE, RunEnd, classify, launcher_returncode
-from sandbox.isolation import (
+from erlay.sandbox.classify import UNSHARE_SIGKILL_LINE, RunEnd, classify, launcher_returncode
+from erlay.sandbox.isolation import (
     SANDBOX_DIR,
     SETUP_SCRIPT,
     Isolation,
@@ -19,11 +19,11 @@ from sandbox.isolation import (
     launch_argv,
     rlimit_values,
 )
-from sandbox.limits import SandboxLimits
-from sandbox.pool import DEADLINE_MARGIN_S, sandbox_host_children
-from sandbox.results import MalformedMessage, Outcome, SandboxRequest, SandboxResult
-from sandbox.runner import StreamCapture
-from supervisor.spec import InProcessStart
+from erlay.sandbox.limits import SandboxLimits
+from erlay.sandbox.pool import DEADLINE_MARGIN_S, sandbox_host_children
+from erlay.sandbox.results import MalformedMessage, Outcome, SandboxRequest, SandboxResult
+from erlay.sandbox.runner import StreamCapture
+from erlay.supervisor.spec import InProcessStart
 
 TRACEBACK_END = "MemoryError"
 
@@ -197,7 +197,7 @@ def test_pool_builds_one_worker_per_slot_with_a_tool_call_deadline() -> None:
     assert [s.id for s in specs] == ["sandbox-0", "sandbox-1", "sandbox-2"]
     for slot, spec in enumerate(specs):
         assert isinstance(spec.start, InProcessStart)
-        assert spec.start.factory == "sandbox.worker:SandboxWorker"
+        assert spec.start.factory == "erlay.sandbox.worker:SandboxWorker"
         assert spec.start.kwargs["slot"] == slot
         assert spec.start.kwargs["limits"]["wall_timeout_s"] == 2
         assert spec.deadlines == {"tool_call": 2 + DEADLINE_MARGIN_S}

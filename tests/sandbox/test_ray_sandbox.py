@@ -8,14 +8,14 @@ from typing import Any
 import psutil
 import pytest
 
-from sandbox.isolation import slot_uid
-from sandbox.pool import sandbox_host_children
-from sandbox.results import Outcome, SandboxRequest, SandboxResult
-from supervisor.events import EventKind, MemorySink
-from supervisor.host import host_spec
-from supervisor.raylocal import local_node_id
-from supervisor.spec import ChildSpec, SupervisorFlags, SupervisorStart
-from supervisor.tree import SupervisionTree
+from erlay.sandbox.isolation import slot_uid
+from erlay.sandbox.pool import sandbox_host_children
+from erlay.sandbox.results import Outcome, SandboxRequest, SandboxResult
+from erlay.supervisor.events import EventKind, MemorySink
+from erlay.supervisor.host import host_spec
+from erlay.supervisor.raylocal import local_node_id
+from erlay.supervisor.spec import ChildSpec, SupervisorFlags, SupervisorStart
+from erlay.supervisor.tree import SupervisionTree
 from tests.sandbox.conftest import FORK_BOMB, KILL_PARENT, NAMESPACES, RUN_TOKEN_VAR
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local"),

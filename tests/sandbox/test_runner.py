@@ -17,12 +17,12 @@ import uuid
 
 import pytest
 
-from sandbox import runner
-from sandbox.isolation import SANDBOX_DIR, Isolation, IsolationKind, resolve_python, slot_uid
-from sandbox.limits import SandboxLimits
-from sandbox.results import Outcome, SandboxRequest
-from sandbox.runner import run_in_sandbox
-from supervisor.procs import process_keeper
+from erlay.sandbox import runner
+from erlay.sandbox.isolation import SANDBOX_DIR, Isolation, IsolationKind, resolve_python, slot_uid
+from erlay.sandbox.limits import SandboxLimits
+from erlay.sandbox.results import Outcome, SandboxRequest
+from erlay.sandbox.runner import run_in_sandbox
+from erlay.supervisor.procs import process_keeper
 from tests.sandbox.conftest import (
     FORK_BOMB,
     KILL_PARENT,

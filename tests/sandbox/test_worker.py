@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from sandbox.results import MalformedMessage, Outcome, SandboxRequest
-from sandbox.worker import SandboxWorker
+from erlay.sandbox.results import MalformedMessage, Outcome, SandboxRequest
+from erlay.sandbox.worker import SandboxWorker
 from tests.sandbox.conftest import LIMITS, SLOT, Spawned
 
 
@@ -199,7 +199,7 @@ def test_worker_rejects_bad_construction_arguments() -> None:
 
 
 def test_sandbox_exec_failpoint_raise_fails_the_call_before_any_code_runs() -> None:
-    from supervisor import failpoints
+    from erlay.supervisor import failpoints
     w = worker()
     failpoints.arm("sandbox.exec", "raise")
     try:

@@ -6,8 +6,8 @@ import os
 import sys
 import threading
 
-from supervisor.failpoints import failpoint
-from supervisor.progress import Progress
+from erlay.supervisor.failpoints import failpoint
+from erlay.supervisor.progress import Progress
 
 SLEEPER = ("import os, time\n"
            "fd = os.environ.get('ERLAY_READY_FD')\n"

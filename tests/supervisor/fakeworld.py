@@ -1,6 +1,6 @@
 """A Ray-free world that carries out the decision core's plans, for conformance tests.
 
-It follows the plan contract in :mod:`supervisor.core` exactly as the real shell does:
+It follows the plan contract in :mod:`erlay.supervisor.core` exactly as the real shell does:
 results of starts and stops are fed back at once, a failed start replaces the rest of the
 plan, and try-again restarts go to the back of the queue.  Children are just ``id ->
 incarnation`` entries in ``alive``.
@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-from supervisor import core
-from supervisor.clock import FakeClock
-from supervisor.events import EventKind
-from supervisor.reason import KILLED, SHUTDOWN, ExitReason
-from supervisor.spec import ChildSpec, InProcessStart, ShutdownKind, SupervisorFlags
+from erlay.supervisor import core
+from erlay.supervisor.clock import FakeClock
+from erlay.supervisor.events import EventKind
+from erlay.supervisor.reason import KILLED, SHUTDOWN, ExitReason
+from erlay.supervisor.spec import ChildSpec, InProcessStart, ShutdownKind, SupervisorFlags
 
 
 def worker(cid: str, **kw: Any) -> ChildSpec:

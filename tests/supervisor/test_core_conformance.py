@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from supervisor import core
-from supervisor.core import (
+from erlay.supervisor import core
+from erlay.supervisor.core import (
     ChildStatus,
     DeleteChildCall,
     RestartChildCall,
@@ -19,10 +19,10 @@ from supervisor.core import (
     StartChildCall,
     TerminateChildCall,
 )
-from supervisor.errors import InvalidSpec
-from supervisor.events import EventKind
-from supervisor.reason import ExitKind, ExitReason
-from supervisor.spec import (
+from erlay.supervisor.errors import InvalidSpec
+from erlay.supervisor.events import EventKind
+from erlay.supervisor.reason import ExitKind, ExitReason
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.procs import ProcessKeeper
+from erlay.supervisor.procs import ProcessKeeper
 from tests.conftest import wait_for
 
 DECLARED = {"LD_LIBRARY_PATH": "/opt/erlay-test/lib", "CUDA_HOME": "/opt/erlay-test/cuda",
@@ -44,10 +44,10 @@ def test_grandchild_of_a_keeper_child_sees_the_declared_env(tmp_path: Path) -> N
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_local")
 def test_grandchild_of_a_hosted_subprocess_sees_the_host_env(tmp_path: Path) -> None:
-    from supervisor.host import host_spec
-    from supervisor.raylocal import local_node_id
-    from supervisor.spec import ChildSpec, SubprocessStart, SupervisorFlags, SupervisorStart
-    from supervisor.tree import SupervisionTree
+    from erlay.supervisor.host import host_spec
+    from erlay.supervisor.raylocal import local_node_id
+    from erlay.supervisor.spec import ChildSpec, SubprocessStart, SupervisorFlags, SupervisorStart
+    from erlay.supervisor.tree import SupervisionTree
 
     out = tmp_path / "env.json"
     flags = SupervisorFlags("one_for_one", intensity=3, period=10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from supervisor.events import (
+from erlay.supervisor.events import (
     EventKind,
     FanoutSink,
     JsonlSink,
@@ -13,9 +13,9 @@ from supervisor.events import (
     SupervisorEvent,
     read_events,
 )
-from supervisor.hosted import InProcessChild
-from supervisor.runtime import Supervisor
-from supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags
+from erlay.supervisor.hosted import InProcessChild
+from erlay.supervisor.runtime import Supervisor
+from erlay.supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags
 from tests.supervisor.children import Echo
 
 

@@ -17,14 +17,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from supervisor import failpoints
-from supervisor.errors import ErlayError
-from supervisor.failpoints import (
+from erlay.supervisor import failpoints
+from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.failpoints import (
     KNOWN,
     FailpointError,
     FailpointSpec,
@@ -37,8 +36,9 @@ from supervisor.failpoints import (
     fired,
     hits,
 )
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 POINT = "sandbox.exec"
 
 
@@ -250,14 +250,14 @@ def test_control_arms_lists_and_disarms_and_reports_hits() -> None:
 # ------------------------------------------------------------------------ environment
 def test_env_arms_a_new_process_before_its_first_failpoint() -> None:
     value = failpoints.env_value({"sandbox.exec": {"action": "exit", "exit_code": 5}})
-    result = run_python("from supervisor.failpoints import failpoint\n"
+    result = run_python("from erlay.supervisor.failpoints import failpoint\n"
                         "failpoint('sandbox.exec')\nprint('survived')\n", value)
     assert result.returncode == 5 and "survived" not in result.stdout
 
 
 def test_env_raise_with_nth_fires_on_that_hit_in_the_new_process() -> None:
     value = failpoints.env_value({"judge.score": FailpointSpec(failpoints.Action.RAISE, nth=2)})
-    result = run_python("from supervisor.failpoints import failpoint\n"
+    result = run_python("from erlay.supervisor.failpoints import failpoint\n"
                         "failpoint('judge.score')\nprint('first ok', flush=True)\n"
                         "failpoint('judge.score')\nprint('second ok')\n", value)
     assert result.returncode == 1 and "first ok" in result.stdout
@@ -266,7 +266,7 @@ def test_env_raise_with_nth_fires_on_that_hit_in_the_new_process() -> None:
 
 
 def test_malformed_env_fails_at_import_naming_the_variable() -> None:
-    result = run_python("import supervisor.failpoints\n",
+    result = run_python("import erlay.supervisor.failpoints\n",
                         '{"sandbox.exec": {"action": "raise", "nth": 0}}')
     assert result.returncode == 1
     assert "ValueError: ERLAY_FAILPOINTS: nth: expected an integer >= 1" in result.stderr
@@ -326,9 +326,9 @@ def test_async_hang_is_released_by_a_disarm_from_another_thread() -> None:
 
 # ------------------------------------------------------------------------ call sites
 def test_host_spawn_failpoint_fails_the_start_of_a_hosted_child() -> None:
-    from supervisor.errors import ChildStartError
-    from supervisor.host import NodeHost
-    from supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags
+    from erlay.supervisor.errors import ChildStartError
+    from erlay.supervisor.host import NodeHost
+    from erlay.supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags
     from tests.supervisor.children import Echo
 
     def host(path: str) -> NodeHost:
@@ -356,16 +356,16 @@ def test_host_spawn_failpoint_fails_the_start_of_a_hosted_child() -> None:
 def test_remote_arming_fails_an_actor_child_and_a_hosted_child_until_disarmed() -> None:
     import ray
 
-    from supervisor.host import host_spec
-    from supervisor.raylocal import local_node_id
-    from supervisor.spec import (
+    from erlay.supervisor.host import host_spec
+    from erlay.supervisor.raylocal import local_node_id
+    from erlay.supervisor.spec import (
         ActorStart,
         ChildSpec,
         InProcessStart,
         SupervisorFlags,
         SupervisorStart,
     )
-    from supervisor.tree import SupervisionTree
+    from erlay.supervisor.tree import SupervisionTree
     from tests.conftest import wait_for
     from tests.supervisor.children import FaultPoint
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from supervisor.health import Health, Quarantine, hang_verdict, observe, quarantine_verdict
-from supervisor.progress import Progress, ProgressSnapshot
+from erlay.supervisor.health import Health, Quarantine, hang_verdict, observe, quarantine_verdict
+from erlay.supervisor.progress import Progress, ProgressSnapshot
 
 DEADLINES = {"decode_step": 2.0, "tool_call": 10.0}
 

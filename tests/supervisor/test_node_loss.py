@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from supervisor.host import host_spec
-from supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags, SupervisorStart
-from supervisor.tree import SupervisionTree
+from erlay.supervisor.host import host_spec
+from erlay.supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags, SupervisorStart
+from erlay.supervisor.tree import SupervisionTree
 from tests.conftest import wait_for
 from tests.supervisor.children import Echo
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from supervisor.procs import ProcessKeeper
-from supervisor.reaper import same_group, start_ticks
+from erlay.supervisor.procs import ProcessKeeper
+from erlay.supervisor.reaper import same_group, start_ticks
 from tests.conftest import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -73,7 +73,7 @@ def test_reaper_kills_registered_groups_when_the_host_goes_away() -> None:
 # (not through the keeper), prints both pids, then waits to be killed.
 OWN_GROUP_HOST = """
 import multiprocessing, os, sys, time
-from supervisor.procs import OwnGroup
+from erlay.supervisor.procs import OwnGroup
 group = OwnGroup()
 group.keeper.declared_env["ERLAY_TEST_DECLARED"] = "yes"
 group.adopt()

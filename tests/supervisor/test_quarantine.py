@@ -14,11 +14,11 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from supervisor.actor_child import ActorProcess
-from supervisor.events import EventKind, MemorySink
-from supervisor.reason import ExitKind
-from supervisor.runtime import StartContext, Supervisor
-from supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags
+from erlay.supervisor.actor_child import ActorProcess
+from erlay.supervisor.events import EventKind, MemorySink
+from erlay.supervisor.reason import ExitKind
+from erlay.supervisor.runtime import StartContext, Supervisor
+from erlay.supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags
 
 UNAVAILABLE = ActorUnavailableError("connection to the node lost", None)
 

@@ -13,11 +13,11 @@ import time
 import psutil
 import pytest
 
-from supervisor.errors import SupervisorFailed
-from supervisor.events import EventKind, MemorySink
-from supervisor.host import host_spec
-from supervisor.raylocal import local_node_id
-from supervisor.spec import (
+from erlay.supervisor.errors import SupervisorFailed
+from erlay.supervisor.events import EventKind, MemorySink
+from erlay.supervisor.host import host_spec
+from erlay.supervisor.raylocal import local_node_id
+from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,
@@ -25,7 +25,7 @@ from supervisor.spec import (
     SupervisorFlags,
     SupervisorStart,
 )
-from supervisor.tree import SupervisionTree
+from erlay.supervisor.tree import SupervisionTree
 from tests.conftest import wait_for
 from tests.supervisor.children import (
     CRASHER,
@@ -197,7 +197,7 @@ def test_in_process_crash_restarts_inside_the_host() -> None:
 def test_dynamic_api_on_actor_children() -> None:
     import ray
 
-    from supervisor.errors import SupervisorCallError
+    from erlay.supervisor.errors import SupervisorCallError
     tree = SupervisionTree("t9", FLAGS, [sup("gen")]).start()
     try:
         assert tree.start_child("t9/gen", ChildSpec("late", ActorStart(Engine))) == "late"

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from supervisor.errors import ChildNotRunning, ChildStartError, SupervisorCallError
-from supervisor.events import EventKind, MemorySink
-from supervisor.hosted import InProcessChild
-from supervisor.progress import Progress
-from supervisor.reason import ExitKind
-from supervisor.runtime import Supervisor
-from supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags, SupervisorStart
+from erlay.supervisor.errors import ChildNotRunning, ChildStartError, SupervisorCallError
+from erlay.supervisor.events import EventKind, MemorySink
+from erlay.supervisor.hosted import InProcessChild
+from erlay.supervisor.progress import Progress
+from erlay.supervisor.reason import ExitKind
+from erlay.supervisor.runtime import Supervisor
+from erlay.supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags, SupervisorStart
 
 STARTED: list[str] = []
 

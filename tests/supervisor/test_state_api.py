@@ -6,10 +6,10 @@ import signal
 
 import pytest
 
-from supervisor.host import host_spec
-from supervisor.raylocal import local_node_id
-from supervisor.spec import ChildSpec, SubprocessStart, SupervisorFlags, SupervisorStart
-from supervisor.tree import SupervisionTree
+from erlay.supervisor.host import host_spec
+from erlay.supervisor.raylocal import local_node_id
+from erlay.supervisor.spec import ChildSpec, SubprocessStart, SupervisorFlags, SupervisorStart
+from erlay.supervisor.tree import SupervisionTree
 from tests.conftest import wait_for
 from tests.supervisor.children import SLEEPER, python
 

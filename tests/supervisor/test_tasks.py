@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.errors import TaskDeadlineExceeded, TaskFailed
-from supervisor.tasks import TaskPolicy, run_task
+from erlay.supervisor.errors import TaskDeadlineExceeded, TaskFailed
+from erlay.supervisor.tasks import TaskPolicy, run_task
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 

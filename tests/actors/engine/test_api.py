@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from actors.engine_api import (
+from erlay.actors.engine.api import (
     ContextTooLong,
     EngineProtocol,
     FinishReason,
@@ -15,7 +15,7 @@ from actors.engine_api import (
     InvalidRequest,
     TokenChunk,
 )
-from actors.engine_torch import TorchEngine
+from erlay.actors.engine.torch_engine import TorchEngine
 
 
 def test_request_round_trips_through_json() -> None:

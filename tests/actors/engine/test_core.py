@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from actors.engine_api import ContextTooLong, FinishReason, GenerationRequest, InvalidRequest
-from actors.engine_core import DecodeBatch, Sequence, run_to_completion, validate_request
-from actors.policy import PolicyConfig, PolicyModel, left_pad, sequence_logprobs
-from actors.sampling import sample_token
-from actors.tokenizer import CharTokenizer
+from erlay.actors.engine.api import ContextTooLong, FinishReason, GenerationRequest, InvalidRequest
+from erlay.actors.engine.core import DecodeBatch, Sequence, run_to_completion, validate_request
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, left_pad, sequence_logprobs
+from erlay.actors.model.sampling import sample_token
+from erlay.actors.model.tokenizer import CharTokenizer
 
 VOCAB = CharTokenizer().vocab_size
 CONFIG = PolicyConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, d_ff=128,

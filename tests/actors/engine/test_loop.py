@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine_api import EngineFailed, GenerationRequest, TokenChunk, WeightsMismatch
-from actors.engine_torch import TorchEngine
-from actors.policy import PolicyConfig
-from actors.tokenizer import CharTokenizer
+from erlay.actors.engine.api import EngineFailed, GenerationRequest, TokenChunk, WeightsMismatch
+from erlay.actors.engine.torch_engine import TorchEngine
+from erlay.actors.model.policy import PolicyConfig
+from erlay.actors.model.tokenizer import CharTokenizer
 
 CONFIG = PolicyConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layers=1, n_heads=2,
                       d_ff=64, max_seq_len=96).to_dict()
@@ -123,7 +123,7 @@ def test_shutdown_ends_open_streams_with_abort() -> None:
 
 
 def test_decode_step_failpoint_raise_fails_the_loop_as_a_crash_would() -> None:
-    from supervisor import failpoints
+    from erlay.supervisor import failpoints
 
     async def scenario() -> dict[str, Any]:
         eng = engine()
@@ -139,7 +139,7 @@ def test_decode_step_failpoint_raise_fails_the_loop_as_a_crash_would() -> None:
 
 
 def test_decode_step_failpoint_hang_stops_progress_while_the_engine_answers() -> None:
-    from supervisor import failpoints
+    from erlay.supervisor import failpoints
 
     async def scenario() -> tuple[int, int, list[TokenChunk]]:
         eng = engine()

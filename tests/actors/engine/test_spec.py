@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine_api import GenerationRequest, TokenChunk
-from actors.engine_core import run_to_completion
-from actors.engine_torch import TorchEngine
-from actors.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
-from supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
-from supervisor.tree import ChildRef, SupervisionTree
+from erlay.actors.engine.api import GenerationRequest, TokenChunk
+from erlay.actors.engine.core import run_to_completion
+from erlay.actors.engine.torch_engine import TorchEngine
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
+from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
+from erlay.supervisor.tree import ChildRef, SupervisionTree
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 

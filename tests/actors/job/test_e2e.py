@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import load_config
-from actors.job import Job
-from actors.rundir import RunDir
-from actors.transitions import MemoryTransitions, TransitionKind
-from supervisor.events import EventKind, read_events
+from erlay.actors.config import load_config
+from erlay.actors.job.driver import Job
+from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.rundir import RunDir
+from erlay.supervisor.events import EventKind, read_events
+from tests.paths import REPO
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = REPO / "configs"
 pytestmark = pytest.mark.ray
 
 

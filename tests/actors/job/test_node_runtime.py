@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from actors import node_runtime
-from actors.config import NodeSection, load_config
-from actors.job import Job
-from actors.rundir import RunDir
-from supervisor.jitcache import CacheSpec, JitCache
-from supervisor.raylocal import alive_nodes
-from supervisor.versions import stack_versions
+from erlay.actors.config import NodeSection, load_config
+from erlay.actors.job import node_runtime
+from erlay.actors.job.driver import Job
+from erlay.actors.rundir import RunDir
+from erlay.supervisor.node.jitcache import CacheSpec, JitCache
+from erlay.supervisor.node.versions import stack_versions
+from erlay.supervisor.raylocal import alive_nodes
+from tests.paths import REPO
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = REPO / "configs"
 
 
 def test_declared_env_takes_the_driver_values_then_the_configured_ones() -> None:

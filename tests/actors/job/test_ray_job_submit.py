@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
+ROOT = REPO
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
@@ -58,7 +60,7 @@ def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path,
         for _ in range(30):  # the job agent comes up a little after the dashboard
             try:
                 job_id = client.submit_job(
-                    entrypoint=f"{sys.executable} -m actors.cli run configs/cpu.yaml "
+                    entrypoint=f"{sys.executable} -m erlay.supervisor.cli run configs/cpu.yaml "
                                f"run.steps=3 warm_start.steps=2 --no-progress "
                                f"run.run_dir={tmp_path}",
                     runtime_env={"working_dir": str(ROOT)})

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import load_config
-from actors.job import Job, JobResult
-from actors.rundir import RunDir
-from actors.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.config import load_config
+from erlay.actors.job.driver import Job, JobResult
+from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.rundir import RunDir
+from tests.paths import REPO
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu.yaml"
+CONFIG = REPO / "configs" / "cpu.yaml"
 ENGINES = ("erlay/generation/engine-0", "erlay/generation/engine-1")
 pytestmark = pytest.mark.ray
 

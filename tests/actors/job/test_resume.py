@@ -18,14 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from actors.checkpoint import latest
-from actors.config import load_config
-from actors.job import Job, JobResult
-from actors.journal import Journal
-from actors.rundir import RunDir
+from erlay.actors.config import load_config
+from erlay.actors.job.driver import Job, JobResult
+from erlay.actors.journal.store import Journal
+from erlay.actors.learner.checkpoint import latest
+from erlay.actors.rundir import RunDir
 from tests.conftest import wait_for
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 CONFIG = ROOT / "configs" / "cpu.yaml"
 SMALL = ["warm_start.steps=30", "rollout.prompts_per_step=8", "rollout.group_size=4",
          "rollout.max_staleness=0", "checkpoint.every_steps=2", "ray.num_cpus=4",
@@ -81,7 +82,7 @@ def test_learner_restart_feeds_the_steps_since_its_checkpoint_again(
 
 
 def erlay(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "actors.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -97,7 +98,7 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
     assert reference.returncode == 0, reference.stderr[-3000:]
     (ref_dir,) = (tmp_path / "ref").iterdir()
 
-    killed = subprocess.Popen([sys.executable, "-m", "actors.cli", *args,
+    killed = subprocess.Popen([sys.executable, "-m", "erlay.supervisor.cli", *args,
                                f"run.run_dir={tmp_path / 'killed'}"], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)

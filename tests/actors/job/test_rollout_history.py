@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from actors.coordinator import demonstration_tokens
-from actors.rollout import RolloutHistory, RolloutRunner, SamplingParams
-from actors.tokenizer import CharTokenizer
-from actors.transitions import MemoryTransitions, TransitionKind
-from environments.tool_use import ToolUseEnv
+from erlay.actors.job.coordinator import demonstration_tokens
+from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams
+from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.environments.tool_use import ToolUseEnv
 
 
 class Forbidden:

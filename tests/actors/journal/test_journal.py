@@ -16,7 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from actors.journal import (
+from erlay.actors.journal.inspection import (
+    RolloutNotFound,
+    inspect_rollout,
+    inspect_summary,
+    list_rollouts,
+)
+from erlay.actors.journal.state import (
+    JournalState,
+    RolloutState,
+    apply,
+    compact,
+    state_from_dict,
+    state_to_dict,
+)
+from erlay.actors.journal.store import (
     HEADER,
     FsyncPolicy,
     Journal,
@@ -28,25 +42,12 @@ from actors.journal import (
     segment_name,
     snapshot_name,
 )
-from actors.journal_inspect import (
-    RolloutNotFound,
-    inspect_rollout,
-    inspect_summary,
-    list_rollouts,
-)
-from actors.journal_state import (
-    JournalState,
-    RolloutState,
-    apply,
-    compact,
-    state_from_dict,
-    state_to_dict,
-)
-from actors.transitions import Transition, TransitionKind
-from supervisor.clock import FakeClock
+from erlay.actors.journal.transitions import Transition, TransitionKind
+from erlay.supervisor.clock import FakeClock
+from tests.paths import REPO
 
 K = TransitionKind
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO
 
 
 def dispatched(rid: str, step: int = 0) -> Transition:
@@ -300,8 +301,8 @@ def test_concurrent_records_from_threads_all_land_in_order(tmp_path: Path) -> No
 def test_records_survive_sigkill_without_close(tmp_path: Path) -> None:
     script = (
         "import os, signal, sys\n"
-        "from actors.journal import Journal, FsyncPolicy\n"
-        "from actors.transitions import Transition, TransitionKind as K\n"
+        "from erlay.actors.journal.store import Journal, FsyncPolicy\n"
+        "from erlay.actors.journal.transitions import Transition, TransitionKind as K\n"
         "j = Journal.open(sys.argv[1], fsync=FsyncPolicy(mode='never'))\n"
         "for i in range(50):\n"
         "    j.record(Transition(K.DISPATCHED, f'r{i}', {'seed': i}))\n"

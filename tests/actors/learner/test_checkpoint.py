@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import distributed as dist
 
-from actors.checkpoint import (
+from erlay.actors.learner.checkpoint import (
     AsyncCheckpointer,
     CheckpointInvalid,
     CheckpointSaveFailed,
@@ -31,9 +31,10 @@ from actors.checkpoint import (
     list_checkpoints,
     load,
 )
-from actors.checkpoint_format import STATE_FILE, write_checkpoint_dir
-from tests.actors.test_learner_core import arithmetic_batch, learner, same_weights
+from erlay.actors.learner.checkpoint_format import STATE_FILE, write_checkpoint_dir
+from tests.actors.learner.test_core import arithmetic_batch, learner, same_weights
 from tests.conftest import wait_for
+from tests.paths import REPO
 
 
 class ExplodesInWorker:
@@ -190,7 +191,7 @@ def test_killed_worker_fails_the_save_and_the_next_save_starts_a_new_one(
 
 TRAINER = """
 import sys, time, torch
-from actors.checkpoint import AsyncCheckpointer
+from erlay.actors.learner.checkpoint import AsyncCheckpointer
 checkpointer = AsyncCheckpointer(sys.argv[1])
 checkpointer.save(1, {"w": torch.ones(8)})
 checkpointer.wait()
@@ -205,7 +206,7 @@ def test_trainer_killed_mid_save_commits_nothing_and_takes_its_worker_along(
     root = tmp_path / "ckpt"
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(root)],
                                stdout=subprocess.PIPE, text=True,
-                               cwd=Path(__file__).resolve().parents[2])
+                               cwd=REPO)
     try:
         worker = int(trainer.stdout.readline())  # type: ignore[union-attr]
     finally:

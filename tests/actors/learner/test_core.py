@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from actors.learner_core import LearnerCore, TrainBatch, shard
-from actors.tokenizer import CharTokenizer
+from erlay.actors.learner.core import LearnerCore, TrainBatch, shard
+from erlay.actors.model.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 MODEL = {"vocab_size": TOK.vocab_size, "d_model": 64, "n_layers": 2, "n_heads": 4,

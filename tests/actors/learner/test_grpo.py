@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from actors.grpo import group_advantages, grpo_loss, staleness_ok, truncated_is_weights
+from erlay.actors.learner.grpo import (
+    group_advantages,
+    grpo_loss,
+    staleness_ok,
+    truncated_is_weights,
+)
 
 
 def one_token(logp: float, prox: float, behaviour: float, adv: float

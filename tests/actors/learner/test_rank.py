@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.learner import Learner
-from actors.learner_core import TrainBatch
-from actors.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
-from supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
-from supervisor.tree import SupervisionTree
-from tests.actors.test_learner_core import MODEL, arithmetic_batch, learner
+from erlay.actors.learner.core import TrainBatch
+from erlay.actors.learner.rank import Learner
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
+from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
+from erlay.supervisor.tree import SupervisionTree
+from tests.actors.learner.test_core import MODEL, arithmetic_batch, learner
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_local")]
 

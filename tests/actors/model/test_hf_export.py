@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.hf_export import (
+from erlay.actors.model.hf_export import (
     ModelDirError,
     hf_config,
     hf_name,
@@ -18,7 +18,7 @@ from actors.hf_export import (
     read_model_dir,
     write_model_dir,
 )
-from actors.policy import PolicyConfig, PolicyModel, state_to_numpy
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, state_to_numpy
 
 CONFIG = PolicyConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=1, d_ff=64, max_seq_len=16)
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine_api import GenerationRequest
-from actors.engine_core import DecodeBatch, Sequence, run_to_completion
-from actors.mtp import mtp_loss
-from actors.policy import PolicyConfig, PolicyModel
+from erlay.actors.engine.api import GenerationRequest
+from erlay.actors.engine.core import DecodeBatch, Sequence, run_to_completion
+from erlay.actors.model.mtp import mtp_loss
+from erlay.actors.model.policy import PolicyConfig, PolicyModel
 
 CONFIG = PolicyConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                       max_seq_len=40, mtp_heads=4)
@@ -94,7 +94,7 @@ def test_rejection_sampling_keeps_the_base_distribution() -> None:
     assert batch.drafted > n / 2
     # Exact marginal of the second token: sum over the first.
     with torch.no_grad():
-        from actors.policy import left_pad
+        from erlay.actors.model.policy import left_pad
         t, pos, mask = left_pad([[1, 3, 4]])
         p1 = torch.softmax(m(t, pos, mask)[0][0, -1].double(), -1)
         ctx = [[1, 3, 4, x] for x in range(CONFIG.vocab_size)]
@@ -115,7 +115,7 @@ def test_rejection_sampling_keeps_the_base_distribution() -> None:
 
 def test_learner_trains_the_heads_beside_the_policy() -> None:
     """The MTP loss joins the warm start and every RL step; the heads' accuracy rises."""
-    from actors.learner_core import LearnerCore
+    from erlay.actors.learner.core import LearnerCore
 
     cfg = {**CONFIG.to_dict(), "mtp_heads": 2}
     learner = LearnerCore(cfg, lr=3e-3, seed=0, mtp_loss_weight=1.0)

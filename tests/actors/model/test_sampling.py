@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.sampling import rollout_seed, sample_token, sample_token_f64, uniform
+from erlay.actors.model.sampling import rollout_seed, sample_token, sample_token_f64, uniform
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -0.5])
 

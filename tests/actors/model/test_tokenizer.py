@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.tokenizer import ALPHABET, BOS, EOS, PAD, UNK, CharTokenizer
+from erlay.actors.model.tokenizer import ALPHABET, BOS, EOS, PAD, UNK, CharTokenizer
 
 
 def test_round_trip_of_every_alphabet_character() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.attribution import (
+from erlay.actors.observe.attribution import (
     OTHER,
     Cause,
     Failure,
@@ -20,7 +20,7 @@ from actors.attribution import (
     step_windows,
     whole_percents,
 )
-from supervisor.events import EventKind, SupervisorEvent
+from erlay.supervisor.events import EventKind, SupervisorEvent
 
 T0 = 1_000_000.0  # the job start, unix seconds
 GEN, HOST = "erlay/generation", "erlay/sandbox/host@node-0"

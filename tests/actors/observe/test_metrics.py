@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from actors import ray_metrics
-from actors.ray_metrics import EXPORT_PREFIX, RayMetrics
+from erlay.actors.observe import metrics as ray_metrics
+from erlay.actors.observe.metrics import EXPORT_PREFIX, RayMetrics
 
 # Ray exports every metrics_report_interval_ms; 1 s (its floor) keeps the test short.
 REPORT_INTERVAL_MS = 1000
@@ -25,7 +25,7 @@ def ray_fast_metrics() -> Iterator[int]:
     Yields the node's metrics export port."""
     import ray
 
-    from supervisor.raylocal import ensure_ray, shutdown_ray
+    from erlay.supervisor.raylocal import ensure_ray, shutdown_ray
     if ray.is_initialized():
         ray.shutdown()
     ensure_ray(num_cpus=2, include_dashboard=False,

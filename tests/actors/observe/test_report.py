@@ -13,21 +13,19 @@ from typing import Any
 
 import pytest
 
-import actors.cli
-from actors.cli import main
-from actors.report import load_run, write_report
+from erlay.actors.observe.report import load_run, write_report
+from erlay.supervisor.cli import main
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 RECORDED = ROOT / "tests" / "data" / "run-engine-kill"
 T0 = 1_800_000_000.0  # the synthetic runs' job start, unix seconds
 FIGURES = ("reward.png", "throughput.png", "restarts.png", "gen_latency.png")
 
 
 @pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process ``main``, without the install check (tests/actors/test_cli.py covers it;
-    it reads every installed distribution's file list, seconds per call)."""
-    monkeypatch.setattr(actors.cli, "check_install", lambda: [])
+def cli() -> None:
+    """``main`` runs in-process (the dispatcher loads the registered commands)."""
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -221,7 +219,7 @@ def test_cli_names_the_run_dirs_inside_a_parent_directory(
 def test_erlay_report_subprocess_reads_but_never_writes_the_run_dir(tmp_path: Path) -> None:
     before = sorted((p.name, p.stat().st_mtime_ns) for p in RECORDED.iterdir())
     script = Path(sys.executable).with_name("erlay")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "actors.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "erlay.supervisor.cli"]
     result = subprocess.run([*command, "report", str(RECORDED), "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import pytest
 
-from actors.status import (
+from erlay.actors.observe.status import (
     PREFIX,
     StatusPublisher,
     choose_endpoint,
@@ -32,8 +32,9 @@ from actors.status import (
     status_view,
 )
 from tests.conftest import wait_for
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 ENGINE = "erlay/generation/engine-0"
 
 
@@ -224,7 +225,7 @@ def test_endpoint_serves_the_last_snapshot_and_leaves_with_its_publisher(
         fresh_ray: None, capsys: pytest.CaptureFixture[str]) -> None:
     import ray
 
-    from supervisor.raylocal import ensure_ray
+    from erlay.supervisor.raylocal import ensure_ray
     address = ensure_ray(num_cpus=2, include_dashboard=False)["address"]
     calls: list[int] = []
 
@@ -261,7 +262,8 @@ def test_endpoint_serves_the_last_snapshot_and_leaves_with_its_publisher(
 
 def erlay_status(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-m", "actors.cli", "status", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "status", *args],
+                          cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -286,9 +288,9 @@ def test_cli_shows_a_sigkilled_engine_restarted_in_the_live_tree(tmp_path: Path,
                                                                  fresh_ray: None) -> None:
     import ray
 
-    from actors.config import load_config
-    from actors.job import Job, JobResult
-    from actors.rundir import RunDir
+    from erlay.actors.config import load_config
+    from erlay.actors.job.driver import Job, JobResult
+    from erlay.actors.rundir import RunDir
     cfg = load_config(ROOT / "configs" / "cpu.yaml", [
         "run.steps=100000", "warm_start.steps=2", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "engine.num_engines=2", "ray.num_cpus=4",

@@ -13,16 +13,17 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from actors.config import TelemetrySection, load_config
-from actors.job import Job
-from actors.job_telemetry import JobTelemetry, percentile, step_time_lost
-from actors.rundir import RunDir
-from supervisor import telemetry
-from supervisor.events import EventKind, SupervisorEvent
-from supervisor.otel import TracingEventSink, cause_of, domain_of, is_failure
+from erlay.actors.config import TelemetrySection, load_config
+from erlay.actors.job.driver import Job
+from erlay.actors.observe.telemetry import JobTelemetry, percentile, step_time_lost
+from erlay.actors.rundir import RunDir
+from erlay.supervisor import telemetry
+from erlay.supervisor.events import EventKind, SupervisorEvent
+from erlay.supervisor.otel import TracingEventSink, cause_of, domain_of, is_failure
 from tests.conftest import wait_for
+from tests.paths import REPO
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = REPO / "configs"
 
 
 def event(context: EventKind, reason: str, t: float, child: str = "engine-1",
@@ -141,7 +142,7 @@ def test_settings_travel_through_the_environment() -> None:
 
 
 def test_otlp_without_an_endpoint_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from actors.config import ConfigError
+    from erlay.actors.config import ConfigError
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     with pytest.raises(ConfigError, match="exporter otlp needs otlp_endpoint"):
         load_config(CONFIGS / "cpu.yaml", ["telemetry.exporter=otlp"])

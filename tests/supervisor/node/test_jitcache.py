@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.jitcache import (
+from erlay.supervisor.node.jitcache import (
     MANIFEST,
     CacheSpec,
     JitCache,
@@ -167,7 +167,7 @@ def test_archive_of_another_stack_is_ignored_with_a_log_line(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     archived(tmp_path, {**STACK, "torch": "2.12.0+cpu"})
     reader = node(tmp_path, "reader")
-    with caplog.at_level(logging.WARNING, logger="supervisor.jitcache"):
+    with caplog.at_level(logging.WARNING, logger="erlay.supervisor.node.jitcache"):
         result = reader.seed()
     assert result.status == "missing"
     assert "ignoring JIT cache archive" in caplog.text
@@ -180,7 +180,7 @@ def test_renamed_archive_with_mismatched_manifest_is_never_loaded(
     other = archived(tmp_path, {**STACK, "cuda": "12.8"})
     reader = node(tmp_path, "reader")
     other.rename(reader.archive_path)
-    with caplog.at_level(logging.WARNING, logger="supervisor.jitcache"):
+    with caplog.at_level(logging.WARNING, logger="erlay.supervisor.node.jitcache"):
         result = reader.seed()
     assert result.status == "mismatch"
     assert "cuda: archive 12.8, node none" in caplog.text
@@ -195,7 +195,7 @@ def test_truncated_archive_is_ignored_and_places_nothing(
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * cut)] if cut > 0 else data[:int(cut)])
     reader = node(tmp_path, "reader")
-    with caplog.at_level(logging.WARNING, logger="supervisor.jitcache"):
+    with caplog.at_level(logging.WARNING, logger="erlay.supervisor.node.jitcache"):
         result = reader.seed()
     assert result.status == "corrupt"
     assert "unreadable" in caplog.text
@@ -241,7 +241,7 @@ def test_unsafe_member_is_refused_and_nothing_is_extracted(
     reader = node(tmp_path, "reader")
     reader.archive_path.parent.mkdir(parents=True)
     hostile_archive(reader.archive_path, member(), b"pwned")
-    with caplog.at_level(logging.WARNING, logger="supervisor.jitcache"):
+    with caplog.at_level(logging.WARNING, logger="erlay.supervisor.node.jitcache"):
         result = reader.seed()
     assert result.status == "unsafe"
     assert "unsafe member" in caplog.text

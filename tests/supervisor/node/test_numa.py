@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from supervisor.errors import NumaBindError
-from supervisor.numa import (
+from erlay.supervisor.errors import NumaBindError
+from erlay.supervisor.node.numa import (
     Binding,
     MemPolicy,
     bind_to_gpu,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.placement import (
+from erlay.supervisor.node.placement import (
     GpuSlot,
     PlacementError,
     bundle_node_ids,
@@ -22,8 +22,8 @@ from supervisor.placement import (
     place_group,
     plan_group,
 )
-from supervisor.topology import NodeTopology, no_gpus, ray_labels, ray_resources
-from tests.supervisor.test_topology import node
+from erlay.supervisor.node.topology import NodeTopology, no_gpus, ray_labels, ray_resources
+from tests.supervisor.node.test_topology import node
 
 RACK_A = "4e5b2d1c-9a7f-4c3e-8b21-6f0d3a9c7e15"
 RACK_B = "0b9e77a2-31c4-4f6d-a8e0-2d5c6e1f9a40"
@@ -151,7 +151,7 @@ def two_rack_cluster() -> Iterator[dict[str, str]]:
     import ray
     from ray.cluster_utils import Cluster
 
-    import supervisor.raylocal  # noqa: F401 - sets the loopback-only variable before Ray
+    import erlay.supervisor.raylocal  # noqa: F401 - sets the loopback-only variable before Ray
     if ray.is_initialized():
         ray.shutdown()
     by_host = {t.hostname: t for t in two_racks()}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.topology import (
+from erlay.supervisor.node.topology import (
     NodeTopology,
     TopologyError,
     affinity_map,

@@ -7,8 +7,8 @@ import platform
 
 import pytest
 
-from supervisor.errors import VersionMismatch
-from supervisor.versions import (
+from erlay.supervisor.errors import VersionMismatch
+from erlay.supervisor.node.versions import (
     MismatchRow,
     capture_env,
     check_consistent,
@@ -72,7 +72,7 @@ def test_capture_env_takes_declared_names_and_globs_only() -> None:
 def test_versions_gathered_from_actors_fail_on_a_node_with_another_torch() -> None:
     import ray
 
-    from supervisor.versions import gather_versions
+    from erlay.supervisor.node.versions import gather_versions
     probe = ray.remote(num_cpus=0)(VersionProbe)
     actors = {"node-0": probe.remote(), "node-2": probe.remote()}
     try:

@@ -1,0 +1,14 @@
+"""The learner: GRPO updates, the rank actor, and asynchronous checkpoints.
+
+- :mod:`.grpo`: GRPO's arithmetic as pure torch functions;
+- :mod:`.core`: :class:`LearnerCore`, the learner's state and update rules, without Ray;
+- :mod:`.rank`: :class:`Learner`, a rank as a supervised actor child (weights through the
+  Ray object store);
+- :mod:`.checkpoint` and :mod:`.checkpoint_format`: async checkpoints on
+  nvidia-resiliency-ext's persistent worker, committed by atomic rename, keep-k.
+
+Contract: each trajectory is trained by exactly one step; a restarted rank reloads the last
+committed checkpoint, and a checkpoint that is not complete is never loaded.
+
+May import: erlay.supervisor, erlay.actors.model.
+"""

@@ -1,0 +1,12 @@
+"""Seeing a job: telemetry, Ray metrics, the live tree and the run report.
+
+- :mod:`.telemetry`: the driver's telemetry hub (OpenTelemetry spans and metrics);
+- :mod:`.metrics`: the same numbers as Ray application metrics, for the dashboard;
+- :mod:`.status`: ``erlay status``, the live tree read through a named endpoint;
+- :mod:`.report`: ``erlay report``, Markdown and plots from a run directory;
+- :mod:`.attribution`: which fault domain cost the run what.
+
+Contract: observing never changes the job; reports read only the run directory.
+
+May import: erlay.supervisor, erlay.actors.config, erlay.actors.rundir.
+"""

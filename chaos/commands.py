@@ -1,0 +1,61 @@
+"""``erlay chaos``, registered through the ``erlay.commands`` entry points.
+
+  erlay chaos list                 the scenarios shipped in configs/chaos/
+  erlay chaos run SCENARIO         run a scenario, check its invariants, write its report
+
+Importing this module is cheap: the runner (and Ray) load inside :meth:`ChaosCommand.run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ChaosCommand:
+    """``erlay chaos``: 0 when every expectation of the scenario holds, 1 when one does not,
+    2 for a bad scenario before anything started."""
+
+    name: str = "chaos"
+    help: str = "prove the job survives faults: run chaos scenarios"
+    takes_overrides: bool = False
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        sub = parser.add_subparsers(dest="chaos_command", required=True)
+        sub.add_parser("list", help="the scenarios in configs/chaos/")
+        run = sub.add_parser("run", help="run a scenario, check its invariants and write "
+                             "chaos-report.json/.md")
+        run.add_argument("scenario", help="a scenario name (configs/chaos/NAME.yaml) or a path")
+        run.add_argument("--config", help="run this job config instead of the scenario's "
+                         "(the scenario's overrides still apply)")
+        run.add_argument("--out", help="parent directory of the runs (default runs/chaos)")
+        run.add_argument("--no-baselines", action="store_true", help="skip the fault-free "
+                         "and job-restart runs (the invariants that need them are skipped)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from erlay.chaos.scenario import ScenarioError, list_scenarios, load_scenario
+        if args.chaos_command == "list":
+            for name, description, smoke in list_scenarios():
+                print(f"{name:28s} {'[smoke] ' if smoke else ''}{description}")
+            return 0
+        try:
+            scenario = load_scenario(args.scenario)
+        except ScenarioError as exc:
+            print(f"erlay: {exc}", file=sys.stderr)
+            return 2
+        from erlay.chaos.runner import run_scenario
+        result = run_scenario(scenario, config=Path(args.config) if args.config else None,
+                              parent=Path(args.out) if args.out else None,
+                              say=lambda line: print(line, flush=True),
+                              with_baselines=not args.no_baselines)
+        for verdict in result.verdicts:
+            mark = {True: "PASS", False: "FAIL", None: "SKIP"}[verdict.ok]
+            print(f"  {mark}  {verdict.name}: {verdict.detail}")
+        print(f"erlay: chaos report {result.report_paths[1]}")
+        return 0 if result.ok else 1
+
+
+CHAOS = ChaosCommand()
