@@ -175,11 +175,12 @@ def test_update_during_a_stream_never_mixes_versions(tree: Any) -> None:
     eng = engine(tree, 0)
     start = ray.get(eng.version.remote())
     stream = eng.generate.remote(request("mid", new=60, chunk_tokens=2).to_dict())
-    ray.get(next(stream))
+    # How many tokens the first chunk holds depends on timing: count them.
+    first = TokenChunk.from_dict(ray.get(next(stream)))
     assert ray.get(eng.update_weights.remote(start + 1, OTHER)) == start + 1
-    chunks = collect(stream)
+    chunks = [first, *collect(stream)]
     assert chunks[-1].finish_reason == "length"
-    assert sum(len(c.token_ids) for c in chunks) + 2 == 60
+    assert sum(len(c.token_ids) for c in chunks) == 60
     versions = [c.version for c in chunks]
     assert versions == sorted(versions) and versions[-1] == start + 1
 
