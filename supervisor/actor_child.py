@@ -49,7 +49,7 @@ from erlay.supervisor.imports import import_path
 from erlay.supervisor.progress import Progress, ProgressSnapshot
 from erlay.supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
 from erlay.supervisor.runtime import ChildProcess, StartContext
-from erlay.supervisor.spec import ActorStart, Shutdown, ShutdownKind
+from erlay.supervisor.spec import DEFAULT_LIVENESS, ActorStart, Shutdown, ShutdownKind
 
 log = logging.getLogger("erlay.supervisor")
 
@@ -232,6 +232,7 @@ class ActorProcess:
         self._quarantine_timeout_s = quarantine_timeout_s
         self._probe_interval_s = probe_interval_s
         self._pump: asyncio.Task[None] | None = None
+        self._cursor = 0   # events of a host actor forwarded so far
 
     async def wait(self) -> ExitReason:
         while True:
@@ -246,7 +247,9 @@ class ActorProcess:
             except (ActorDiedError, RayActorError) as exc:
                 self._discard()
                 return self._forced or death_reason(exc)
-            # The monitor returned: the child ended by itself (erlay_wait).
+            # The monitor returned: the child ended by itself (erlay_wait).  A host's last
+            # events (its children's exits, its local supervisor's escalation) go up first.
+            await self._drain_events()
             await self._confirm_death()
             if self._forced is not None:
                 return self._forced
@@ -330,21 +333,52 @@ class ActorProcess:
             await asyncio.sleep(0.01)
 
     async def stop(self, shutdown: Shutdown) -> ExitReason:
+        """Stop as ``shutdown`` says.  ``infinity`` waits while the child keeps answering its
+        heartbeat; one that stops answering (frozen) is killed, so a stop always ends."""
         if shutdown.kind is ShutdownKind.BRUTAL_KILL:
             await self._confirm_death()
             return KILLED
-        timeout = None if shutdown.kind is ShutdownKind.INFINITY else shutdown.timeout_s
+        stopping = asyncio.ensure_future(_get(self.handle._erlay_stop.remote()))
         try:
-            await asyncio.wait_for(_get(self.handle._erlay_stop.remote()), timeout)
+            if shutdown.kind is ShutdownKind.INFINITY:
+                await self._while_alive(stopping)
+            else:
+                await asyncio.wait_for(stopping, shutdown.timeout_s)
             reason = SHUTDOWN
-        except TimeoutError:
-            reason = ExitReason(ExitKind.KILLED, "did not stop within its shutdown timeout")
+        except TimeoutError as exc:
+            detail = str(exc) or "did not stop within its shutdown timeout"
+            reason = ExitReason(ExitKind.KILLED, detail)
         except (ActorDiedError, RayActorError) as exc:
             reason = death_reason(exc)
         except Exception as exc:  # noqa: BLE001 - erlay_terminate raised
             reason = from_exception(exc)
+        finally:
+            stopping.cancel()
+        await self._drain_events()
         await self._confirm_death()
         return reason
+
+    async def _while_alive(self, stopping: asyncio.Future[Any]) -> None:
+        """Await ``stopping`` for as long as the child answers its heartbeat; raise
+        TimeoutError once it has been silent past its liveness deadline."""
+        liveness = self.ctx.spec.liveness or DEFAULT_LIVENESS
+        loop = asyncio.get_running_loop()
+        last_answer = loop.time()
+        while True:
+            done, _ = await asyncio.wait({stopping}, timeout=liveness.period_s)
+            if done:
+                stopping.result()
+                return
+            try:
+                await asyncio.wait_for(_get(self.handle._erlay_progress.remote()),
+                                       liveness.period_s)
+                last_answer = loop.time()
+            except TimeoutError:
+                if loop.time() - last_answer > liveness.deadline_s:
+                    raise TimeoutError(
+                        f"stopped answering its heartbeat while shutting down (silent "
+                        f"{loop.time() - last_answer:.1f} s, liveness deadline "
+                        f"{liveness.deadline_s:g} s)") from None
 
     async def kill(self, reason: ExitReason) -> None:
         self._forced = reason
@@ -359,15 +393,35 @@ class ActorProcess:
         self._pump = asyncio.create_task(self._pump_events(), name=f"{self.ctx.path}:events")
 
     async def _pump_events(self) -> None:
-        cursor = 0
-        sink = self.ctx.supervisor.sink
         while True:
             try:
-                events, cursor = await self.handle.events_since.remote(cursor, 10.0)
+                events, cursor = await self.handle.events_since.remote(self._cursor, 10.0)
             except (ActorDiedError, RayActorError):
                 return
-            for data in events:
-                sink.emit(SupervisorEvent.from_dict(data))
+            self._forward(events, cursor)
+
+    def _forward(self, events: list[dict[str, Any]], cursor: int) -> None:
+        if cursor <= self._cursor:
+            return  # a late answer the drain already forwarded
+        sink = self.ctx.supervisor.sink
+        skip = len(events) - (cursor - self._cursor)  # events before our cursor
+        for data in events[max(0, skip):]:
+            sink.emit(SupervisorEvent.from_dict(data))
+        self._cursor = cursor
+
+    async def _drain_events(self) -> None:
+        """Forward what a host actor still holds, before it is discarded: a child's exit or
+        the local supervisor's escalation raised just before the host ends must not be
+        lost.  Bounded: a host that cannot answer within 2 s has nothing left to say."""
+        if self._pump is None:
+            return
+        self._pump.cancel()
+        try:
+            events, cursor = await asyncio.wait_for(
+                _get(self.handle.events_since.remote(self._cursor, 0.0)), 2.0)
+        except (TimeoutError, ActorDiedError, RayActorError):
+            return
+        self._forward(events, cursor)
 
 
 async def _create(remote_cls: Any, opts: dict[str, Any], args: tuple[Any, ...],

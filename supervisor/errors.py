@@ -95,8 +95,10 @@ class TaskFailed(ErlayError):
         super().__init__(f"task {name} failed after {attempts} attempt(s): {cause}")
 
 
-class InstallError(ErlayError):
-    """erlay's own packages are missing or shadowed by another distribution."""
+class CallDeadlineExceeded(ErlayError):
+    """A call across fault domains got no answer within its deadline.  The callee may be
+    hung: its supervisor's heartbeat and progress deadlines decide that; the caller treats
+    the call as failed (retry elsewhere, or mark the sample)."""
 
 
 class NumaBindError(ErlayError):

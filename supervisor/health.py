@@ -5,9 +5,10 @@ Three cases (DESIGN.md):
 
 - **Death** is not decided here: it arrives as an exit from the child's pending monitor call.
 - **Hang**: a child that holds work in a phase with a deadline and whose progress counter has
-  not moved for longer than that deadline is hung.  A child whose progress polls go
-  unanswered for longer than its largest deadline is hung too, whatever it last said: a
-  stopped process cannot report that it holds work.
+  not moved for longer than that deadline is hung.  A child whose heartbeats (progress
+  polls) go unanswered for longer than its liveness deadline, or its largest progress
+  deadline, is hung too, whatever it last said: a stopped process cannot report that it
+  holds work.
 - **Unavailable**: the child could not be reached but is not known dead.  It is quarantined
   and probed every ``probe_interval_s`` until it answers (recovered), is confirmed dead, or
   stays unreachable past ``quarantine_timeout_s`` (then it is treated as lost).
@@ -49,16 +50,30 @@ def observe(health: Health, snap: ProgressSnapshot | None, now: float) -> Health
                    last_progress=now if moved else health.last_progress)
 
 
-def hang_verdict(health: Health, deadlines: Mapping[str, float], now: float) -> str | None:
+def _last_seen(health: Health, now: float) -> str:
+    """What the child last said: its phase and work, and how long ago it last progressed."""
+    phase = f"phase {health.phase}" if health.phase else "no work"
+    work = f" on {health.work}" if health.work else ""
+    return f"last seen in {phase}{work}, last progress {now - health.last_progress:.1f} s ago"
+
+
+def hang_verdict(health: Health, deadlines: Mapping[str, float], now: float,
+                 liveness_s: float | None = None) -> str | None:
     """The reason the child counts as hung, or None.
 
     ``deadlines`` maps phase -> seconds; the key ``"*"`` applies to any phase not listed.
+    ``liveness_s`` is the heartbeat deadline (:attr:`Liveness.deadline_s`): silence longer
+    than it is a hang whatever the phase.  The reason names the phase and the last progress.
     """
+    silent = now - health.last_answer
+    if liveness_s is not None and silent > liveness_s:
+        return (f"unresponsive: no heartbeat answered for {silent:.1f} s (liveness deadline "
+                f"{liveness_s:g} s); {_last_seen(health, now)}")
     if not deadlines:
         return None
-    silent = now - health.last_answer
     if silent > max(deadlines.values()):
-        return f"unresponsive for {silent:.1f} s (largest deadline {max(deadlines.values()):g} s)"
+        return (f"unresponsive for {silent:.1f} s (largest deadline "
+                f"{max(deadlines.values()):g} s); {_last_seen(health, now)}")
     if health.phase is None:
         return None
     deadline = deadlines.get(health.phase, deadlines.get("*"))

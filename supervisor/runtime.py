@@ -5,7 +5,8 @@ A :class:`Supervisor` behaves like an OTP supervisor process.  Every state chang
 its own main task, one event at a time, so the core's plan contract holds (see
 :mod:`erlay.supervisor.core`).  Drivers ("starters") know how to start one kind of child and return
 a :class:`ChildProcess`; the shell watches each incarnation with a pending ``wait()``, which
-resolves when the incarnation ends, and polls progress only for children with deadlines.
+resolves when the incarnation ends, and polls every child with deadlines or a heartbeat
+(``ChildSpec.liveness``, on by default) for its progress.
 
 Invariant: no child outlives its supervisor.  When a supervisor terminates, for any reason
 including a bug in the shell, it stops every child it started before its exit resolves.
@@ -16,8 +17,8 @@ Deviations from OTP:
   separate processes.  A supervisor is cheap; only children need process isolation.
 - Killing a nested supervisor (its parent's brutal_kill or a timeout) brutally stops its
   subtree first, so nothing is orphaned.
-- Hang detection (progress deadlines) and quarantine are erlay additions; a hung child is
-  killed and its exit reason is ``hang``, which is abnormal.
+- Hang detection (progress deadlines, the liveness heartbeat) and quarantine are erlay
+  additions; a hung child is killed and its exit reason is ``hang``, which is abnormal.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Supervisor:
         self.sink: EventSink = sink or LoggingSink()
         self.clock: Clock = clock or SystemClock()
         self._procs: dict[str, ChildProcess] = {}
+        self._stopping: dict[str, ChildProcess] = {}   # being stopped right now
         self._watchers: dict[str, asyncio.Task[ExitReason]] = {}
         self._health: dict[str, Health] = {}
         self._killing: set[str] = set()
@@ -177,8 +179,9 @@ class Supervisor:
                 "phase": health.phase if health else None,
                 "work": health.work if health else None,
                 "progress_age_s": round(progress_age(health, now), 3) if health else None,
-                # Without deadlines nobody polls its progress: its age means nothing.
+                # Without deadlines nobody judges its progress: its age means nothing.
                 "watched": bool(self.state.children[info.id].spec.deadlines),
+                "heartbeat_age_s": round(now - health.last_answer, 3) if health else None,
             })
         return rows
 
@@ -188,6 +191,11 @@ class Supervisor:
     def child(self, child_id: str) -> ChildProcess | None:
         """The running incarnation of ``child_id``, or None."""
         return self._procs.get(child_id)
+
+    def live_processes(self) -> list[ChildProcess]:
+        """Every incarnation not known to be gone: running, or being stopped right now (a
+        stop that a last-resort kill must still reach)."""
+        return [*self._procs.values(), *self._stopping.values()]
 
     def children_ids(self) -> list[str]:
         return list(self.state.order)
@@ -288,7 +296,7 @@ class Supervisor:
         self._health[cid] = Health.new(self.clock.monotonic())
         self._watchers[cid] = asyncio.create_task(self._watch(cid, inc, proc),
                                                   name=f"{ctx.path}#{inc}:watch")
-        if rec.spec.deadlines:
+        if rec.spec.poll_interval_s is not None:
             self._deadlines_changed.set()
 
     def _starter_for(self, start: StartSpec) -> Starter:
@@ -331,21 +339,25 @@ class Supervisor:
         if watcher is not None:
             watcher.cancel()
         policy = BRUTAL_KILL if self._brutal else self.state.children[cid].spec.shutdown_policy
+        self._stopping[cid] = proc
         try:
             return await proc.stop(policy)
         except Exception as exc:
             log.exception("stopping %s failed", child_path(self.path, cid))
             return from_exception(exc)
+        finally:
+            self._stopping.pop(cid, None)
 
     async def _watch_health(self) -> None:
         while not self.exited:
             targets = [(cid, proc) for cid, proc in self._procs.items()
-                       if self.state.children[cid].spec.deadlines and cid not in self._killing]
+                       if self.state.children[cid].spec.poll_interval_s is not None
+                       and cid not in self._killing]
             if not targets:
                 self._deadlines_changed.clear()
                 await self._deadlines_changed.wait()
                 continue
-            interval = min(self.state.children[c].spec.progress_poll_s  # type: ignore[type-var]
+            interval = min(self.state.children[c].spec.poll_interval_s  # type: ignore[type-var]
                            for c, _ in targets)
             await asyncio.sleep(interval)
             await asyncio.gather(*(self._check(cid, proc, interval) for cid, proc in targets))
@@ -364,7 +376,9 @@ class Supervisor:
         health = self._health[cid]
         if answered:
             health = self._health[cid] = observe(health, snap, now)
-        verdict = hang_verdict(health, self.state.children[cid].spec.deadlines, now)
+        spec = self.state.children[cid].spec
+        verdict = hang_verdict(health, spec.deadlines, now,
+                               spec.liveness.deadline_s if spec.liveness else None)
         if verdict is None:
             return
         self._killing.add(cid)

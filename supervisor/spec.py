@@ -12,6 +12,9 @@ Deviations from OTP, all deliberate:
 - ``modules`` (release handling) has no meaning here and does not exist.
 - ``deadlines`` and ``progress_poll_s`` are erlay additions: per-phase progress deadlines used
   for hang detection (see :mod:`erlay.supervisor.health`).
+- ``liveness`` is an erlay addition too: a heartbeat the supervisor sends every child, which
+  finds a child that stops answering (SIGSTOP, a blocked event loop, a frozen host) whatever
+  work it holds.
 """
 
 from __future__ import annotations
@@ -189,13 +192,47 @@ class SupervisorFlags:
 
 
 @dataclass(frozen=True)
-class ChildSpec:
-    """OTP's child spec plus erlay's progress deadlines.
+class Liveness:
+    """A heartbeat: every ``period_s`` the supervisor asks the child for its progress, with
+    ``period_s`` to answer; ``misses`` heartbeats in a row without an answer make it hung.
 
-    ``shutdown`` defaults as in OTP: 5 s for a worker, infinity for a supervisor.
+    The answer comes from erlay's own methods on the child (the actor's event loop or its
+    monitor thread, the host's loop, the subprocess's run state), never from the user's
+    class, so any child is covered: a frozen process (SIGSTOP), a blocked event loop, a
+    process wedged in C code holding the GIL.  Detection takes ``period_s * misses`` plus at
+    most one period.
+    """
+
+    period_s: float = 5.0
+    misses: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.period_s, (int, float)) or isinstance(self.period_s, bool) \
+                or not self.period_s > 0:
+            raise InvalidSpec("liveness.period_s", self.period_s, "seconds > 0")
+        if not isinstance(self.misses, int) or isinstance(self.misses, bool) or self.misses < 1:
+            raise InvalidSpec("liveness.misses", self.misses, "an integer >= 1")
+
+    @property
+    def deadline_s(self) -> float:
+        """Silence longer than this is a hang."""
+        return self.period_s * self.misses
+
+
+DEFAULT_LIVENESS = Liveness()
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """OTP's child spec plus erlay's progress deadlines and liveness heartbeat.
+
+    ``shutdown`` defaults as in OTP: 5 s for a worker, infinity for a supervisor.  An
+    ``infinity`` shutdown of an actor child lasts while the child keeps answering its
+    heartbeat: a frozen child is killed once ``liveness`` says so, so a stop is bounded.
     ``deadlines`` maps a work phase (``"decode_step"``) to the seconds a child holding work
     in that phase may go without progress before it is declared hung and restarted.
     ``progress_poll_s`` defaults to a quarter of the tightest deadline (0.05 s to 10 s).
+    ``liveness`` is the heartbeat (:class:`Liveness`, 5 s x 3 by default); None turns it off.
     """
 
     id: str
@@ -206,6 +243,7 @@ class ChildSpec:
     significant: bool = False
     deadlines: Mapping[str, float] = field(default_factory=dict)
     progress_poll_s: float | None = None
+    liveness: Liveness | None = DEFAULT_LIVENESS
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or "/" in self.id:
@@ -239,6 +277,17 @@ class ChildSpec:
             object.__setattr__(self, "progress_poll_s", min(max(poll, 0.05), 10.0))
         elif not self.progress_poll_s > 0:
             raise InvalidSpec(f"{self.id}.progress_poll_s", self.progress_poll_s, "seconds > 0")
+        if self.liveness is not None and not isinstance(self.liveness, Liveness):
+            raise InvalidSpec(f"{self.id}.liveness", self.liveness, "a Liveness or None")
+
+    @property
+    def poll_interval_s(self) -> float | None:
+        """How often the supervisor polls this child (progress and heartbeat), or None when
+        it has neither deadlines nor a heartbeat."""
+        intervals = [self.progress_poll_s] if self.deadlines else []
+        if self.liveness is not None:
+            intervals.append(self.liveness.period_s)
+        return min(intervals) if intervals else None  # type: ignore[type-var]
 
     @property
     def restart_type(self) -> Restart:

@@ -6,6 +6,9 @@ polling).  When the child's main process ends, its whole group is killed, so not
 spawned survives it.  A polite stop sends SIGTERM to the group and SIGKILL after the
 shutdown timeout.
 
+Its heartbeat (``ChildSpec.liveness``) is its run state: a stopped process (SIGSTOP) does not
+answer, and is killed with its group once the liveness deadline passes.
+
 With ``wait_ready`` the child counts as started only once it writes a line to the file
 descriptor in ``ERLAY_READY_FD``; exiting or staying silent past ``ready_timeout_s`` is a
 start failure that names the exit code.
@@ -18,6 +21,8 @@ import os
 import signal
 import subprocess
 from typing import IO, Any
+
+import psutil
 
 from erlay.supervisor.errors import ChildStartError
 from erlay.supervisor.procs import ProcessKeeper
@@ -153,4 +158,13 @@ class SubprocessChild:
         self.keeper.kill_group(self.pid)
 
     async def progress(self, timeout_s: float) -> ProgressSnapshot | None:
+        """The heartbeat of a process that speaks no protocol: its run state.  A stopped
+        process (SIGSTOP, a tracer) does not answer, so the liveness deadline finds it."""
+        try:
+            status = psutil.Process(self.pid).status()
+        except psutil.NoSuchProcess:
+            return None  # it is exiting: the pidfd reports that
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            await asyncio.sleep(timeout_s)
+            raise TimeoutError(f"{self.path} is stopped ({status})")
         return None

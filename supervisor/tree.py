@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -23,7 +24,7 @@ from erlay.supervisor.errors import ChildNotRunning, SupervisorFailed
 from erlay.supervisor.events import EventSink, LoggingSink
 from erlay.supervisor.hosted import InProcessChild
 from erlay.supervisor.procs import ProcessKeeper, process_keeper
-from erlay.supervisor.reason import ExitReason
+from erlay.supervisor.reason import ExitKind, ExitReason
 from erlay.supervisor.runtime import ChildProcess, NestedSupervisor, Starter, Supervisor
 from erlay.supervisor.spec import (
     ActorStart,
@@ -36,6 +37,7 @@ from erlay.supervisor.spec import (
 from erlay.supervisor.subprocess_child import SubprocessChild
 
 T = TypeVar("T")
+log = logging.getLogger("erlay.supervisor")
 
 
 def default_starters(keeper: ProcessKeeper) -> dict[type[StartSpec], Starter]:
@@ -81,7 +83,10 @@ class SupervisionTree:
         return self
 
     def run(self, fn: Callable[[], Awaitable[T]], timeout: float | None = 60) -> T:
-        """Run ``fn()`` on the tree's loop and wait for its result."""
+        """Run ``fn()`` on the tree's loop and wait for its result.  Raises ChildNotRunning
+        once the tree's loop has stopped (the coroutine is then never created)."""
+        if self._loop.is_closed() or (self.root is not None and not self._loop.is_running()):
+            raise ChildNotRunning(f"the tree {self.name} has stopped")
         future = asyncio.run_coroutine_threadsafe(fn(), self._loop)  # type: ignore[arg-type]
         try:
             return future.result(timeout)
@@ -98,21 +103,45 @@ class SupervisionTree:
                                    reason.root_offender, reason.chain)
         return reason
 
-    def stop(self, timeout: float | None = 120) -> ExitReason:
-        """Shut the whole tree down in reverse start order.  Idempotent."""
+    def stop(self, timeout: float = 120) -> ExitReason:
+        """Shut the whole tree down in reverse start order, within ``timeout`` seconds.
+        Idempotent.
+
+        Bounded: each child gets its shutdown policy (an ``infinity`` one lasts while the
+        child answers its heartbeat); whatever is still running when ``timeout`` passes is
+        killed, with its process group, and the reason says so.  Never raises TimeoutError.
+        """
         if self.root is None:
             return ExitReason.from_dict({"kind": "shutdown"})
         if not self._loop.is_running():
             return self.root.state.exit_reason or ExitReason.from_dict({"kind": "shutdown"})
-        reason = self.run(self.root.shutdown, timeout=timeout)
+        try:
+            reason = self.run(self.root.shutdown, timeout=timeout)
+        except TimeoutError:
+            log.warning("%s did not stop within %g s; killing what is left", self.name, timeout)
+            try:
+                self.run(partial(kill_everything, self.root), timeout=30)
+            except TimeoutError:
+                log.error("%s: the kill did not finish within 30 s", self.name)
+            reason = ExitReason(ExitKind.KILLED, f"the tree did not stop within {timeout:g} s; "
+                                "what was left was killed")
         self._close()
         return reason
 
     def _close(self) -> None:
+        """Stop the tree's loop cleanly: every task still on it (watchers, pumps, a
+        coordinator's clients) is cancelled and awaited first, so none is destroyed pending
+        and no coroutine is left never awaited; then the loop stops and is closed."""
         self.keeper.close()
         if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_all(), self._loop).result(15)
+            except Exception:  # noqa: BLE001 - best effort: the loop stops regardless
+                log.warning("%s: some tasks did not finish cancelling", self.name)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()
 
     @property
     def thread_native_id(self) -> int | None:
@@ -254,6 +283,35 @@ async def snapshot_supervisor(sup: Supervisor) -> dict[str, Any]:
     return {"path": sup.path, "strategy": flags.strategy.value,  # type: ignore[union-attr]
             "intensity": flags.intensity, "period": flags.period,
             "status": sup.state.phase.value, "children": rows}
+
+
+async def _cancel_all() -> None:
+    """Cancel every other task of the running loop and wait until they have finished."""
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=10)
+
+
+async def kill_everything(sup: Supervisor) -> None:
+    """Kill every child process under ``sup``, depth first, at once: the last resort of a
+    stop that ran out of time.  Actor children are killed through Ray (and SIGKILL on this
+    node), subprocess children with their process group; then ``sup`` is brutally shut
+    down, which now finds nothing that can block it."""
+    for proc in sup.live_processes():
+        if isinstance(proc, NestedSupervisor):
+            await kill_everything(proc.sup)
+            continue
+        try:
+            await proc.kill(ExitReason(ExitKind.KILLED, "tree stop timed out"))
+        except Exception:
+            log.exception("killing %s failed", proc.info)
+    try:
+        await asyncio.wait_for(sup.shutdown(brutal=True), 10)
+    except TimeoutError:
+        log.error("%s did not finish its brutal shutdown", sup.path)
 
 
 def render_tree(snapshot: dict[str, Any]) -> str:

@@ -78,3 +78,15 @@ class FaultPoint:
     def hit(self, x: int = 0) -> int:
         failpoint(self.point)
         return x
+
+
+class BlocksItsLoop:
+    """An async actor child whose user code can block its event loop (a deadlock, a
+    blocking call in async code): erlay's own methods on the loop stop answering too."""
+
+    async def ping(self) -> str:
+        return "pong"
+
+    async def block(self) -> None:
+        import time
+        time.sleep(3600)
