@@ -34,12 +34,17 @@ class Judgement:
     """The judge's verdict on one sample.
 
     ``reward`` is finite.  ``ok=False`` means the judge could not decide; ``reason`` then
-    says why, and the sample is marked rather than trained on.
+    says why, and the sample is marked rather than trained on.  ``kind`` types an undecided
+    judgement: ``timeout`` (the judge hung), ``exception`` (it raised), ``bad_return`` (it
+    returned something that is not a Judgement, a NaN or infinite reward included) are the
+    judge's own failures; ``unavailable`` (no worker could be reached) and ``undecided``
+    (the judge said it cannot decide) are not.
     """
 
     reward: float
     ok: bool
     reason: str = ""
+    kind: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.reward, (int, float)) or isinstance(self.reward, bool) \
@@ -48,16 +53,24 @@ class Judgement:
         object.__setattr__(self, "reward", float(self.reward))
 
     @staticmethod
-    def undecided(reason: str) -> Judgement:
+    def undecided(reason: str, kind: str = "") -> Judgement:
         """The judge could not decide: reward 0.0, ``ok=False``, marked with ``reason``."""
-        return Judgement(0.0, False, reason)
+        return Judgement(0.0, False, reason, kind)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reward": self.reward, "ok": self.ok, "reason": self.reason}
+        data: dict[str, Any] = {"reward": self.reward, "ok": self.ok, "reason": self.reason}
+        if self.kind:
+            data["kind"] = self.kind
+        return data
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> Judgement:
-        return Judgement(float(data["reward"]), bool(data["ok"]), str(data.get("reason", "")))
+        return Judgement(float(data["reward"]), bool(data["ok"]), str(data.get("reason", "")),
+                         str(data.get("kind", "")))
+
+
+# The kinds of an undecided judgement that are the judge's own fault (user code failing).
+USER_ERROR_KINDS = ("timeout", "exception", "bad_return")
 
 
 @runtime_checkable

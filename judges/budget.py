@@ -1,22 +1,27 @@
 """Retry budget and circuit breaker for judge calls: decisions on injected time, no I/O.
 
-The judge domain's rule (DESIGN.md): a failed judgement is retried within its budget; past
-the budget the sample is *marked* (``ok=False`` with the reason), never silently zeroed.
-When the judges fail persistently, the :class:`CircuitBreaker` stops sending them work for a
-cool-down, so a dead judge pool costs one quick refusal per sample instead of a full retry
-budget of timeouts each.
+The judge domain's rule: a failed judgement is retried within its budget; past the budget the
+sample is *marked* (``ok=False`` with the reason), never silently zeroed.  When a judge
+worker fails persistently, its :class:`CircuitBreaker` stops sending it work for a
+cool-down, so a dead worker costs one quick refusal instead of a retry budget of timeouts,
+while the other workers keep judging.  Callers keep one breaker per worker.
+
+A breaker opens on the observed error rate, not on a few unlucky calls: over its last
+``window`` calls (once it has seen ``min_calls``) more than ``open_rate`` of them failed, or
+``failure_threshold`` failed in a row.  A judge that fails 15% of calls at random trips
+neither (10 failures in a row at 15% has odds below 1e-8), so its healthy calls keep going.
 
 States, and the only transitions (``now`` is the caller's clock, in seconds)::
 
-    CLOSED    --failure_threshold consecutive failures-->  OPEN
-    OPEN      --cool_down_s elapsed (read on any call)-->  HALF_OPEN
-    HALF_OPEN --the probe succeeds-->                      CLOSED
-    HALF_OPEN --the probe fails-->                         OPEN (cool-down starts again)
+    CLOSED    --the error rate or the run of failures passes its threshold-->  OPEN
+    OPEN      --cool_down_s elapsed (read on any call)-->                      HALF_OPEN
+    HALF_OPEN --the probe succeeds-->                                          CLOSED
+    HALF_OPEN --the probe fails-->                                  OPEN (cool-down again)
 
 In HALF_OPEN one call at a time is admitted as a probe.  A probe whose outcome is never
 recorded (its caller was cancelled) expires after ``cool_down_s`` and another is admitted,
 so the breaker cannot wedge half-open.  Outcomes recorded while OPEN come from calls
-admitted before it opened and are ignored.
+admitted before it opened and are ignored.  Closing clears the window.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,24 +47,43 @@ class BreakerState(enum.StrEnum):
 
 
 class CircuitBreaker:
-    """A closed/open/half-open breaker over consecutive failures, on injected time."""
+    """A closed/open/half-open breaker over the error rate and runs of failures, on
+    injected time."""
 
-    def __init__(self, failure_threshold: int = 5, cool_down_s: float = 10.0) -> None:
+    def __init__(self, failure_threshold: int = 10, cool_down_s: float = 5.0, *,
+                 window: int = 20, min_calls: int = 10, open_rate: float = 0.5) -> None:
         if not isinstance(failure_threshold, int) or failure_threshold < 1:
             raise ValueError(f"failure_threshold: expected an int >= 1, got "
                              f"{failure_threshold!r}")
         if not cool_down_s > 0:
             raise ValueError(f"cool_down_s: expected a number > 0, got {cool_down_s!r}")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window: expected an int >= 1, got {window!r}")
+        if not isinstance(min_calls, int) or not 1 <= min_calls <= window:
+            raise ValueError(f"min_calls: expected an int in [1, window], got {min_calls!r}")
+        if not 0 < open_rate <= 1:
+            raise ValueError(f"open_rate: expected a number in (0, 1], got {open_rate!r}")
         self.failure_threshold = failure_threshold
         self.cool_down_s = float(cool_down_s)
+        self.window = window
+        self.min_calls = min_calls
+        self.open_rate = float(open_rate)
         self._state = BreakerState.CLOSED
         self._failures = 0                      # consecutive, while CLOSED
+        self._outcomes: deque[bool] = deque(maxlen=window)   # True: failed
         self._opened_at = 0.0
         self._probe_at: float | None = None     # when the HALF_OPEN probe was admitted
 
     @property
     def consecutive_failures(self) -> int:
         return self._failures
+
+    @property
+    def error_rate(self) -> float | None:
+        """The failed share of the window, or None before ``min_calls`` calls."""
+        if len(self._outcomes) < self.min_calls:
+            return None
+        return sum(self._outcomes) / len(self._outcomes)
 
     def state(self, now: float) -> BreakerState:
         """The state at ``now``: OPEN turns HALF_OPEN once the cool-down has elapsed."""
@@ -86,19 +111,28 @@ class CircuitBreaker:
         match self.state(now):
             case BreakerState.CLOSED:
                 self._failures = 0
+                self._outcomes.append(False)
             case BreakerState.OPEN:
                 pass
             case BreakerState.HALF_OPEN:
                 log.info("judge circuit closed: probe succeeded")
                 self._state, self._failures, self._probe_at = BreakerState.CLOSED, 0, None
+                self._outcomes.clear()
 
     def record_failure(self, now: float) -> None:
         match self.state(now):
             case BreakerState.CLOSED:
                 self._failures += 1
+                self._outcomes.append(True)
+                rate = self.error_rate
                 if self._failures >= self.failure_threshold:
                     log.warning("judge circuit opened after %d consecutive failures; "
                                 "cool-down %g s", self._failures, self.cool_down_s)
+                    self._open(now)
+                elif rate is not None and rate > self.open_rate:
+                    log.warning("judge circuit opened: %.0f%% of the last %d calls failed; "
+                                "cool-down %g s", 100 * rate, len(self._outcomes),
+                                self.cool_down_s)
                     self._open(now)
             case BreakerState.OPEN:
                 pass

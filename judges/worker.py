@@ -32,7 +32,7 @@ from typing import Any
 from erlay.judges.base import JUDGE_TIMEOUT, Judgement, load_judge
 from erlay.judges.deadline import run_in_thread
 from erlay.supervisor import telemetry
-from erlay.supervisor.failpoints import afailpoint
+from erlay.supervisor.failpoints import afailpoint, failpoint
 from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.judges")
@@ -106,35 +106,41 @@ class JudgeWorker:
         """:meth:`score` for each ``(judge_input, answer, key[, trace])``, in order, in one
         call.
 
-        Callers batch the judgements of concurrent rollouts so one Ray call carries many;
-        each item keeps its own timeout, cache entry and never-raise contract.
+        Callers batch the judgements of concurrent rollouts so one Ray call carries many.
+        The items are judged concurrently, each under its own deadline: one that hangs times
+        out alone, and the batch takes as long as its slowest item, not their sum.  Each
+        keeps its own cache entry and never-raise contract.
         """
-        return [await self.score(*item) for item in items]
+        return list(await asyncio.gather(*(self.score(*item) for item in items)))
 
     async def _judge(self, judge_input: str, answer: str, key: str) -> Judgement:
         score_async = getattr(self.judge, "score_async", None)
         try:
             if callable(score_async):
-                pending = score_async(judge_input, answer, key=key)
+                pending = _user_async(score_async, judge_input, answer, key)
             else:
-                pending = run_in_thread(self.judge.score, judge_input, answer,  # type: ignore[union-attr]
-                                        key=key, name=f"erlay-judge:{key}")
+                pending = run_in_thread(_user_sync, self.judge.score, judge_input, answer,  # type: ignore[union-attr]
+                                        key, name=f"erlay-judge:{key}")
             result = await asyncio.wait_for(pending, self.timeout_s)
         except TimeoutError:
             self.counts["timeouts"] += 1
             log.warning("judgement %s exceeded %g s", key, self.timeout_s)
-            return Judgement.undecided(JUDGE_TIMEOUT)
+            return Judgement.undecided(f"{JUDGE_TIMEOUT}: {self.judge_path}.score gave no "
+                                       f"answer within {self.timeout_s:g} s", "timeout")
         except Exception as exc:  # the worker's top level: mark, log, go on
             self.counts["errors"] += 1
             log.warning("judge %s failed on %s: %s: %s", self.judge_path, key,
                         type(exc).__name__, exc, exc_info=True)
-            return Judgement.undecided(f"judge error: {type(exc).__name__}: {exc}")
+            text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            return Judgement.undecided(f"judge error: {self.judge_path}.score raised {text}",
+                                       "exception")
         if await afailpoint("judge.verdict"):  # chaos: the judge answers garbage
             result = {"reward": float("nan"), "garbage": True}
         if isinstance(result, Judgement):
             return result
         self.counts["errors"] += 1
-        return Judgement.undecided(f"judge returned {type(result).__name__}, not a Judgement")
+        return Judgement.undecided(f"judge error: {self.judge_path}.score returned "
+                                   f"{type(result).__name__}, not a Judgement", "bad_return")
 
     def _enter(self, key: str) -> None:
         # One phase for the whole worker: it holds work while any judgement is in flight.
@@ -154,3 +160,20 @@ class JudgeWorker:
     def stats(self) -> dict[str, int]:
         """Counters since start: calls, cache hits, timeouts, errors, in flight, cached."""
         return {**self.counts, "in_flight": self._in_flight, "cached": len(self._cache)}
+
+
+_GARBAGE = object()  # what a judge returns when chaos corrupts it (a bad return)
+
+
+def _user_sync(score: Any, judge_input: str, answer: str, key: str) -> Any:
+    """The judge's own code, behind the ``judge.user_code`` failpoint (chaos plays the
+    user's raise, hang or bad return here)."""
+    if failpoint("judge.user_code"):
+        return _GARBAGE
+    return score(judge_input, answer, key=key)
+
+
+async def _user_async(score_async: Any, judge_input: str, answer: str, key: str) -> Any:
+    if await afailpoint("judge.user_code"):
+        return _GARBAGE
+    return await score_async(judge_input, answer, key=key)

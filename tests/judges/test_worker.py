@@ -72,12 +72,15 @@ def test_default_worker_scores_with_the_math_judge() -> None:
 
 def test_stuck_judge_times_out_as_an_undecided_judgement() -> None:
     result = asyncio.run(worker("StuckJudge", timeout_s=0.05).score("1", "1", "k"))
-    assert result == {"reward": 0.0, "ok": False, "reason": "judge timeout"}
+    assert result == {"reward": 0.0, "ok": False, "kind": "timeout",
+                      "reason": "judge timeout: tests.judges.test_worker:StuckJudge.score gave "
+                                "no answer within 0.05 s"}
 
 
 def test_judge_exception_is_undecided_not_raised() -> None:
     result = asyncio.run(worker("RaisingJudge").score("1", "1", "k"))
-    assert result["ok"] is False and "KeyError" in result["reason"]
+    assert result["ok"] is False and result["kind"] == "exception"
+    assert "RaisingJudge.score raised KeyError: 'boom'" in result["reason"]
 
 
 def test_retried_judgement_is_served_from_the_cache() -> None:
@@ -176,4 +179,20 @@ def test_judge_verdict_failpoint_corrupts_one_verdict_which_is_marked_not_zeroed
     finally:
         failpoints.disarm_all()
     assert garbage["ok"] is False and "not a Judgement" in garbage["reason"]
+    assert garbage["kind"] == "bad_return"
     assert after["ok"] is True  # count=1: only one verdict was corrupted
+
+
+def test_judge_user_code_failpoint_plays_the_judges_own_failures() -> None:
+    """Chaos's user_error on a judge: raise, hang and bad return, each typed."""
+    from erlay.supervisor import failpoints
+    outcomes = {}
+    for action, kind in (("raise", "exception"), ("corrupt", "bad_return"),
+                         ("hang", "timeout")):
+        failpoints.arm("judge.user_code", action, count=1)
+        try:
+            outcomes[action] = asyncio.run(worker("CountingJudge", timeout_s=0.2)
+                                           .score("1", "1", f"k-{action}"))
+        finally:
+            failpoints.disarm_all()
+        assert outcomes[action]["ok"] is False and outcomes[action]["kind"] == kind
