@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RunCommand:
-    """``erlay run``: 0 when every configured step trained, 1 when the job failed at run
-    time, 2 for a bad config before anything started."""
+    """``erlay run``: 0 when every configured step trained; 1 when the job failed at run
+    time (a domain failed, the root escalated, a plug-in kept failing, the job stalled);
+    2 for a bad config or plug-in, found before anything started.  The last line names the
+    domain and the cause."""
 
     name: str = "run"
     help: str = "run an RL job from a YAML config"
@@ -62,6 +64,8 @@ class RunCommand:
             overrides.append(f"ray.address={args.address}")
         try:
             cfg = load_config(config, overrides)
+            from erlay.actors.job.preflight import preflight
+            preflight(cfg)
         except ConfigError as exc:
             print(f"erlay: {exc}", file=sys.stderr)
             return 2
@@ -74,8 +78,10 @@ class RunCommand:
                          on_start=lambda tree: print(tree.render(), flush=True))
         print(run_dir.summary.read_text(encoding="utf-8"))
         if result.status != "finished":
-            print(f"erlay: job failed: {result.reason}", file=sys.stderr)
+            where = f" in {result.offender}" if result.offender else ""
+            print(f"erlay: job failed{where}: {result.reason}", file=sys.stderr)
             return 1
+        print(f"erlay: finished: {cfg.run.steps} steps trained; {run_dir.path}")
         return 0
 
 

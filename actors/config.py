@@ -38,6 +38,9 @@ class RunSection(Section):
     run_dir: str = Field("runs", description="parent directory of run directories")
     seed: int = Field(0, description="seed for data order, sampling and initialisation")
     steps: int = Field(100, ge=1, description="RL steps (learner updates)")
+    stall_timeout_s: float = Field(1800.0, gt=0, description="a job that reports no progress "
+                                   "(no step, no warm start) for this long is stopped as "
+                                   "stalled, exit code 1")
 
 
 class RaySection(Section):
@@ -100,7 +103,11 @@ class EngineSection(Section):
     max_new_tokens: int = Field(8, ge=1, description="tokens per turn")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
     chunk_tokens: int = Field(8, ge=1, description="stream a chunk at least this often")
-    decode_deadline_s: float = Field(30.0, gt=0, description="hang deadline of a decode step")
+    decode_deadline_s: float = Field(30.0, gt=0, description="hang deadline of a decode step; "
+                                     "a generation stream silent for twice this long fails "
+                                     "over to another engine")
+    update_timeout_s: float = Field(300.0, gt=0, description="deadline of one weight update "
+                                    "call into an engine")
     spec_k: int = Field(0, ge=0, description="torch engine: tokens drafted per step by the MTP "
                         "heads and verified in one pass (0 = no speculation)")
     spec_max_concurrency: int = Field(0, ge=0, description="speculate only while at most "
@@ -129,6 +136,9 @@ class LearnerSection(Section):
                              "contiguous slice of the batch")
     torch_threads: int = Field(1, ge=1, description="torch threads of each learner process")
     train_deadline_s: float = Field(300.0, gt=0, description="hang deadline of a train step")
+    call_timeout_s: float = Field(900.0, gt=0, description="deadline of one call into the "
+                                  "learner (a train step, a checkpoint, publishing weights); "
+                                  "past it the coordinator waits for the learner's restart")
 
 
 class WarmStartSection(Section):
@@ -163,6 +173,9 @@ class SandboxSection(Section):
                                    "fields (wall_timeout_s, memory_mb, ...)")
     max_attempts: int = Field(3, ge=1, description="tries of one tool call before its result "
                               "is an error observation")
+    call_timeout_s: float = Field(300.0, gt=0, description="deadline of one tool call into a "
+                                  "sandbox host, queueing included; a frozen host is found "
+                                  "sooner by its heartbeat")
 
     @field_validator("limits")
     @classmethod
@@ -177,18 +190,57 @@ class SandboxSection(Section):
         return value
 
 
+class JudgeBreakerSection(Section):
+    """One circuit breaker per judge worker (erlay.judges.budget.CircuitBreaker)."""
+
+    failure_threshold: int = Field(10, ge=1, description="failures in a row that open a "
+                                   "worker's breaker")
+    window: int = Field(20, ge=1, description="calls over which the error rate is measured")
+    min_calls: int = Field(10, ge=1, description="calls before the error rate counts")
+    open_rate: float = Field(0.5, gt=0, le=1, description="an error rate above this opens "
+                             "the breaker")
+    cool_down_s: float = Field(5.0, gt=0, description="how long an open breaker refuses work "
+                               "before one probe call is let through")
+
+    @model_validator(mode="after")
+    def _min_calls_fit(self) -> JudgeBreakerSection:
+        if self.min_calls > self.window:
+            raise ValueError(f"min_calls ({self.min_calls}) must be <= window ({self.window})")
+        return self
+
+
 class JudgeSection(Section):
     cls: str = Field("erlay.judges.math:MathJudge", alias="class",
                      description="judge as module:Class")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="judge arguments")
     workers_per_node: int = Field(1, ge=1, description="judge workers in each node's host")
     timeout_s: float = Field(5.0, gt=0, description="budget of one judgement")
-    retries: int = Field(2, ge=0, description="retries of a failed judgement")
+    retries: int = Field(2, ge=0, description="retries of a failed judgement, on another "
+                         "worker when there is one")
+    breaker: JudgeBreakerSection = JudgeBreakerSection()
 
     @field_validator("cls")
     @classmethod
     def _importable(cls, value: str) -> str:
         return _check_import_path(value)
+
+
+class PluginsSection(Section):
+    """User code (the environment, the judge) as a fault domain of its own."""
+
+    timeout_s: float = Field(10.0, gt=0, description="deadline of one environment call "
+                             "(reset, step, observe); past it that sample fails as timeout")
+    window: int = Field(40, ge=1, description="calls of one plug-in method over which its "
+                        "failure rate is measured")
+    max_failure_rate: float = Field(0.75, gt=0, le=1, description="a method failing more than "
+                                    "this share of its window stops the job (exit code 1)")
+    min_calls: int = Field(16, ge=1, description="calls before the failure rate counts")
+
+    @model_validator(mode="after")
+    def _min_calls_fit(self) -> PluginsSection:
+        if self.min_calls > self.window:
+            raise ValueError(f"min_calls ({self.min_calls}) must be <= window ({self.window})")
+        return self
 
 
 class JournalSection(Section):
@@ -259,6 +311,11 @@ class DomainFlags(Section):
                            "domain gives up and escalates (OTP's intensity)")
     period: float = Field(30.0, gt=0, description="seconds of the intensity window (OTP's "
                           "period)")
+    heartbeat_s: float = Field(5.0, gt=0, description="how often the domain's supervisor "
+                               "asks each child (actor, host, subprocess) for a heartbeat")
+    heartbeat_misses: int = Field(3, ge=1, description="heartbeats missed in a row that make "
+                                  "a child hung (killed and restarted): a frozen child is "
+                                  "found within heartbeat_s x (heartbeat_misses + 1)")
 
 
 class SupervisionSection(Section):
@@ -290,6 +347,7 @@ class JobConfig(Section):
     journal: JournalSection = JournalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     supervision: SupervisionSection = SupervisionSection()
+    plugins: PluginsSection = PluginsSection()
     telemetry: TelemetrySection = TelemetrySection()
     node: NodeSection = NodeSection()
 

@@ -122,7 +122,8 @@ class RunDir:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([m["step"] for m in steps], [m["reward_mean"] for m in steps], lw=1.2)
+        judged = [m for m in steps if m.get("reward_mean") is not None]
+        ax.plot([m["step"] for m in judged], [m["reward_mean"] for m in judged], lw=1.2)
         ax.set_xlabel("RL step")
         ax.set_ylabel("mean reward")
         ax.set_ylim(-0.02, 1.02)
@@ -135,7 +136,8 @@ class RunDir:
 
     def write_summary(self, status: str, wall_s: float, detail: str = "") -> str:
         steps = self.rl_steps()
-        rewards = [m["reward_mean"] for m in steps]
+        # The mean reward of judged samples: a step whose every sample failed has none.
+        rewards = [m["reward_mean"] for m in steps if m.get("reward_mean") is not None]
         start, end = reward_window(rewards)
         samples = sum(m["samples"] for m in steps)
         tokens = sum(m["gen_tokens"] for m in steps)
@@ -149,6 +151,9 @@ class RunDir:
                   f"- reward: {start:.3f} (first 10% of steps) -> {end:.3f} (last 10%)",
                   f"- samples: {samples} ({samples / wall_s:.1f}/s)" if wall_s else "",
                   f"- generated tokens: {tokens}",
+                  f"- samples not trained on: {sum(m.get('judge_marked', 0) for m in steps)} "
+                  f"judge-failed, {sum(m.get('user_errors', 0) for m in steps)} failed by "
+                  f"user code (left out of the reward)",
                   f"- sandbox calls: {steps[-1]['sandbox_calls'] if steps else 0}",
                   f"- restarts: {sum(restarts.values())}"]
         if restarts:

@@ -41,7 +41,7 @@ def run_job(config: Path, overrides: list[str], parent: Path, name: str) -> tupl
 
 def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
     steps = run_dir.rl_steps()
-    rewards = [m["reward_mean"] for m in steps]
+    rewards = [m["reward_mean"] for m in steps if m.get("reward_mean") is not None]
     start, end = reward_window(rewards)
     rl_s = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"] if steps else 0.0
     samples = sum(m["samples"] for m in steps)

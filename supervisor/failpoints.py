@@ -61,7 +61,10 @@ log = logging.getLogger("erlay.failpoints")
 ENV_VAR = "ERLAY_FAILPOINTS"
 KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "judge.score",
          "judge.verdict", "learner.train_step", "learner.checkpoint", "rollout.dispatch",
-         "host.spawn")
+         "host.spawn",
+         # Faults of user code, fired where erlay calls it, inside its guard: raise is the
+         # user's exception, hang the user's hang, corrupt a bad return.
+         "environment.call", "judge.user_code")
 # How often an async hang looks whether it was released.  Disarm may come from any thread
 # (a threaded actor's control group), so the hang polls a threading.Event instead of
 # awaiting a future bound to one loop.

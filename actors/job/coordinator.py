@@ -10,6 +10,12 @@ trajectory records the version of each token segment; one whose oldest segment i
 ``B + n - max_staleness`` when step ``n`` trains is not trained on (it is counted).
 
 Data order is deterministic: step ``n``, group ``g`` plays episode ``n * groups + g``.
+
+User code cannot take the loop down: the environment is called through a
+:class:`~erlay.actors.job.plugins.GuardedEnvironment`, so its failures fail samples; a
+plug-in that keeps failing raises :class:`~erlay.actors.job.plugins.PluginFailing`, and the
+coordinator then ends the job as failed (:meth:`Job.abort`) with that message.  Every call
+into another domain has a deadline.
 """
 
 from __future__ import annotations
@@ -23,7 +29,15 @@ from typing import Any
 
 import ray
 
-from erlay.actors.job.domains import CHILD_GONE, EnginePool, JudgeClient, SandboxClient, Weights
+from erlay.actors.job.domains import (
+    CHILD_GONE,
+    BreakerSettings,
+    EnginePool,
+    JudgeClient,
+    SandboxClient,
+    Weights,
+)
+from erlay.actors.job.plugins import PluginFailing, UserCodeFailed, UserError
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
@@ -31,6 +45,8 @@ from erlay.actors.learner.core import TrainBatch
 from erlay.actors.learner.grpo import staleness_ok
 from erlay.actors.model.tokenizer import CharTokenizer
 from erlay.supervisor import telemetry
+from erlay.supervisor.deadline import within
+from erlay.supervisor.errors import CallDeadlineExceeded
 from erlay.supervisor.progress import Progress
 from erlay.supervisor.tree import ChildRef
 
@@ -110,17 +126,26 @@ class RolloutCoordinator:
     async def setup(self) -> None:
         self.loop = asyncio.get_running_loop()  # chaos injects tool calls onto this loop
         tree, paths = self.job.tree, self.job.paths
+        cfg = self.cfg
         self.learners = [tree.ref(p) for p in paths.learners]
-        self.engines = EnginePool(tree, paths.engines)
+        self.engines = EnginePool(tree, paths.engines,
+                                  update_timeout_s=cfg.engine.update_timeout_s)
         self.sandbox = SandboxClient(tree, paths.sandbox_hosts, paths.sandbox_workers,
-                                     self.cfg.sandbox.max_attempts)
+                                     cfg.sandbox.max_attempts,
+                                     call_timeout_s=cfg.sandbox.call_timeout_s)
+        # A batch is judged concurrently, each item under judge.timeout_s: the call's
+        # deadline leaves room for the host's queue on top.
         self.judge = JudgeClient(tree, paths.judge_hosts, paths.judge_workers,
-                                 self.cfg.judge.retries)
+                                 cfg.judge.retries,
+                                 call_timeout_s=max(30.0, 3 * cfg.judge.timeout_s),
+                                 breaker=BreakerSettings(**cfg.judge.breaker.model_dump()),
+                                 judge_path=cfg.judge.cls, rule=self.job.env.rule)
         sampling = SamplingParams(self.cfg.engine.max_new_tokens, self.cfg.engine.temperature,
                                   self.cfg.engine.chunk_tokens, self.cfg.run.seed)
         self.runner = RolloutRunner(self.job.env, self.job.tokenizer, self.engines, self.sandbox,
                                     self.judge, self.sink, sampling, self.cfg.model.max_seq_len,
                                     observer=getattr(self.job, "telemetry", None))
+        self.runner.batcher.idle_s = 2 * cfg.engine.decode_deadline_s
 
     # ------------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -134,6 +159,11 @@ class RolloutCoordinator:
         that checkpoint are fed again from the journal, each rollout to the same step."""
         try:
             await self._run()
+        except PluginFailing as exc:
+            # Not a crash to restart from: the user's code is broken, and a restart would
+            # fail the same way.  End the job, failed, with the one message that says why.
+            log.error("%s", exc)
+            self.job.abort(str(exc))
         except Exception:
             # The supervisor records the exit reason; the traceback is what a user debugging
             # a crash loop needs, and only this process has it.
@@ -177,6 +207,7 @@ class RolloutCoordinator:
                 self.checkpoint_exposed_s.append(await self._checkpoint())
             n += 1
         await self._learner_call("wait_checkpoints")
+        self.job.completed_steps = n
         self.progress.end()
 
     async def _engine_tails(self) -> dict[str, Any]:
@@ -283,7 +314,11 @@ class RolloutCoordinator:
         plays = []
         for g in range(cfg.prompts_per_step):
             index = n * cfg.prompts_per_step + g
-            episode = self.job.env.reset(index, self.cfg.run.seed)
+            episode: Any
+            try:
+                episode = await self.job.env.reset(index, self.cfg.run.seed)
+            except UserCodeFailed as exc:  # every rollout of the group fails with it
+                episode = exc.error
             for k in range(cfg.group_size):
                 rid = f"r{n:05d}-g{g:03d}-{k}"
                 plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
@@ -302,18 +337,21 @@ class RolloutCoordinator:
                 return None
             return RolloutHistory.from_parts(
                 True, record.chunks, [int(o["turn"]) for o in record.observations],
-                record.tool_results, record.judgements, record.completed is not None)
+                record.tool_results, record.judgements, record.completed is not None,
+                (record.completed or {}).get("user_error"))
 
     def _batch(self, n: int, trajectories: list[Trajectory]) -> tuple[TrainBatch, int]:
-        """The step's TrainBatch.  Stale trajectories and samples whose judge failed are
-        kept in their group for shape, with every token masked out, and counted."""
+        """The step's TrainBatch.  Stale trajectories, samples whose judge failed and
+        samples user code failed are kept in their group for shape, with every token masked
+        out, and counted; the invalid ones (judge or user code failed) also stay out of their
+        group's advantage statistics, so they are never scored as 0."""
         learner_version = self.base_version + n
         dropped = 0
         masks = []
         for traj in trajectories:
             fresh = staleness_ok([v for v in traj.versions if v >= 0] or [learner_version],
                                  learner_version, self.cfg.rollout.max_staleness)
-            keep = fresh and traj.judged_ok
+            keep = fresh and traj.valid
             dropped += not keep
             masks.append([m and keep for m in traj.loss_mask])
         batch = TrainBatch(
@@ -324,7 +362,7 @@ class RolloutCoordinator:
             rewards=[t.reward for t in trajectories],
             group_size=self.cfg.rollout.group_size,
             rollout_ids=[t.rollout_id for t in trajectories],
-            loss_mask=masks)
+            loss_mask=masks, valid=[t.valid for t in trajectories])
         return batch, dropped
 
     # ----------------------------------------------------------------- other domains
@@ -335,31 +373,68 @@ class RolloutCoordinator:
         self.progress.begin("warm_start")
         if ws.steps > 0:
             prompts, targets = [], []
+            failed = 0
             for i in range(ws.examples):
-                episode = self.job.env.reset(10_000_000 + i, self.cfg.run.seed)
-                for context, target in demonstration_tokens(
-                        self.job.env.demonstration(episode), self.job.tokenizer):
+                try:
+                    episode = await self.job.env.reset(10_000_000 + i, self.cfg.run.seed)
+                    pairs = await self.job.env.demonstration(episode)
+                except UserCodeFailed:  # that demonstration is skipped, and counted
+                    failed += 1
+                    continue
+                for context, target in demonstration_tokens(pairs, self.job.tokenizer):
                     prompts.append(context)
                     targets.append(target)
+            if not prompts:
+                raise PluginFailing(UserError(self.cfg.environment.cls, "demonstration",
+                                              "exception", "no demonstration succeeded"),
+                                    failed, ws.examples)
             result = await self._learner_call("sft", prompts, targets, ws.steps, ws.batch_size,
                                               ws.lr, all_ranks=True)
-            self.report({"phase": "warm_start", **result})
+            self.report({"phase": "warm_start", "demonstrations_failed": failed, **result})
         weights = await self._publish()
         self.base_version = weights.version
 
     async def _learner_call(self, method: str, *args: Any, all_ranks: bool = False) -> Any:
         """Call rank 0 (or every rank with the same arguments, as data-parallel steps need),
-        waiting out a restart of the learner domain; returns rank 0's answer."""
+        waiting out a restart of the learner domain; returns rank 0's answer.
+
+        Each call has a deadline (``learner.call_timeout_s``).  Past it the learner is
+        presumed hung: the call is not repeated on the same incarnation (a late answer
+        would train a step twice); the coordinator waits for the learner domain to restart
+        it (its heartbeat and progress deadlines decide), then calls the new incarnation."""
         ranks = self.learners if all_ranks else self.learners[:1]
+        timeout_s = self.cfg.learner.call_timeout_s
         while True:
+            incarnations = self._incarnations(ranks)
             try:
-                results = await asyncio.gather(*(getattr(r.actor, method).remote(*args)
-                                                 for r in ranks))
+                results = await asyncio.gather(*(
+                    within(getattr(r.actor, method).remote(*args), timeout_s,
+                           f"{r.path}.{method}") for r in ranks))
                 return results[0]
             except CHILD_GONE as exc:
                 log.warning("learner unavailable during %s (%s); waiting for its restart",
                             method, type(exc).__name__)
+                if isinstance(exc, CallDeadlineExceeded):
+                    await self._await_restart(ranks, incarnations)
                 await asyncio.sleep(0.2)
+
+    @staticmethod
+    def _incarnations(ranks: list[ChildRef]) -> list[int | None]:
+        out: list[int | None] = []
+        for ref in ranks:
+            try:
+                out.append(ref.incarnation)
+            except CHILD_GONE:
+                out.append(None)
+        return out
+
+    async def _await_restart(self, ranks: list[ChildRef], before: list[int | None]) -> None:
+        """Wait until some rank runs a new incarnation (bounded: a learner that answers
+        again without a restart gets called again after the deadline)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.learner.call_timeout_s
+        while loop.time() < deadline and self._incarnations(ranks) == before:
+            await asyncio.sleep(0.5)
 
     async def _train(self, batch: TrainBatch, n: int) -> dict[str, Any]:
         self.progress.begin("train_step")
@@ -380,7 +455,8 @@ class RolloutCoordinator:
             span.set_attribute("erlay.policy_version", int(version))
             # The learner owns the object it put; re-put it from the driver so engines
             # admitted after a learner restart can still load it.
-            weights = Weights(version, ray.put(await ref))
+            weights = Weights(version, ray.put(await within(
+                ref, self.cfg.learner.call_timeout_s, "learner weights")))
             await self.engines.publish(weights)
         return weights
 
@@ -389,7 +465,10 @@ class RolloutCoordinator:
                      metrics: dict[str, Any], gen_seconds: float, gen_wait: float,
                      train_seconds: float, step_seconds: float) -> None:
         assert self.sandbox is not None and self.judge is not None
-        rewards = [t.reward for t in trajectories]
+        # The reward of the samples that were judged: a judge or user-code failure is
+        # counted apart, never as a reward of 0.
+        valid = [t for t in trajectories if t.valid]
+        rewards = [t.reward for t in valid]
         tokens = sum(t.generated_tokens for t in trajectories)
         # Staleness of what was trained: a stale trajectory is masked out (counted in
         # `dropped`), so it must not count here.
@@ -399,11 +478,12 @@ class RolloutCoordinator:
         learner_version = self.base_version + n
         self.report({
             "phase": "rl", "step": n, "version": metrics.get("version"),
-            "reward_mean": sum(rewards) / len(rewards),
-            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "samples": len(trajectories), "gen_tokens": tokens,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None,
+            "samples": len(trajectories), "valid_samples": len(valid), "gen_tokens": tokens,
             "failures": sum(t.failure is not None for t in trajectories),
             "judge_marked": sum(not t.judged_ok for t in trajectories),
+            "user_errors": sum(t.user_error is not None for t in trajectories),
             "tool_calls": sum(t.tool_calls for t in trajectories),
             "resumed_turns": sum(t.resumed for t in trajectories),
             "dropped": dropped,

@@ -8,8 +8,12 @@ failover or a marked result, never a crash of the coordinator:
   only after it has loaded the current weights.
 - :class:`SandboxClient` runs a tool call under its idempotency key on a sandbox worker,
   retrying on another worker (or the restarted one) when the worker or its host dies.
-- :class:`JudgeClient` scores within a retry budget behind a circuit breaker; past the
-  budget the sample is marked with the reason.
+- :class:`JudgeClient` scores within a retry budget, behind one circuit breaker per judge
+  worker; past the budget the sample is marked with the reason.
+
+Every call into another domain carries a deadline (:mod:`erlay.supervisor.deadline`): a
+child that does not answer fails the call, which is retried elsewhere or marked, while the
+child's own supervisor decides, by heartbeat and progress deadlines, whether it is hung.
 """
 
 from __future__ import annotations
@@ -24,18 +28,23 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from erlay.supervisor.errors import ChildNotRunning
+from erlay.actors.job.plugins import FailureWindow, PluginFailing, RateRule, UserError
+from erlay.supervisor.deadline import stream_within, within
+from erlay.supervisor.errors import CallDeadlineExceeded, ChildNotRunning
 from erlay.supervisor.tree import ChildRef, SupervisionTree
 
 log = logging.getLogger("erlay.rollout")
+
 
 class EngineRequestFailed(ChildNotRunning):
     """A live engine failed a streamed request (its method raised): fail over, but do not
     count the engine as dead."""
 
 
-# A child that is restarting, or whose actor died under the call.
-CHILD_GONE = (ChildNotRunning, RayActorError, KeyError)
+# A child that is restarting, whose actor died under the call, or that did not answer in
+# time.  Only what means gone: an error of our own code (a KeyError, say) is a bug and
+# propagates.
+CHILD_GONE = (ChildNotRunning, RayActorError, CallDeadlineExceeded)
 
 
 async def _wait_for_any(refs: list[ChildRef], timeout_s: float) -> list[ChildRef]:
@@ -63,8 +72,10 @@ class Weights:
 class EnginePool:
     """The generation engines, with admission of new incarnations."""
 
-    def __init__(self, tree: SupervisionTree, paths: list[str]) -> None:
+    def __init__(self, tree: SupervisionTree, paths: list[str], *,
+                 update_timeout_s: float = 300.0) -> None:
         self.refs = [tree.ref(p) for p in paths]
+        self.update_timeout_s = update_timeout_s
         self.weights: Weights | None = None
         self._admitted: dict[str, int] = {}
         self._load: dict[str, int] = {p: 0 for p in paths}
@@ -119,7 +130,8 @@ class EnginePool:
         return self._admitted.get(ref.path) == incarnation
 
     async def _load_weights(self, ref: ChildRef, incarnation: int, weights: Weights) -> None:
-        await ref.actor.update_weights.remote(weights.version, weights.ref)
+        await within(ref.actor.update_weights.remote(weights.version, weights.ref),
+                     self.update_timeout_s, f"{ref.path}.update_weights")
         self._admitted[ref.path] = incarnation
 
     async def publish(self, weights: Weights) -> None:
@@ -131,7 +143,8 @@ class EnginePool:
         async def push(ref: ChildRef) -> None:
             incarnation = ref.incarnation
             try:
-                await ref.actor.update_weights.remote(weights.version, weights.ref)
+                await within(ref.actor.update_weights.remote(weights.version, weights.ref),
+                             self.update_timeout_s, f"{ref.path}.update_weights")
                 self._admitted[ref.path] = incarnation
             except CHILD_GONE as exc:
                 log.warning("engine %s missed weights v%d: %s", ref.path, weights.version,
@@ -150,7 +163,8 @@ class EngineBatcher:
     error and resumes on its own (see :mod:`erlay.actors.job.rollout`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = 60.0) -> None:
+        self.idle_s = idle_s   # the longest silence of an engine's stream
         self._pending: dict[str, tuple[ChildRef, list[tuple[dict[str, Any],
                                                             asyncio.Queue[Any]]]]] = {}
         self.calls = 0
@@ -184,8 +198,9 @@ class EngineBatcher:
         self.calls += 1
         try:
             stream = engine.actor.generate_many.remote([request for request, _ in waiting])
-            async for ref in stream:
-                for chunk in await ref:
+            async for chunks in stream_within(stream, self.idle_s,
+                                              f"{engine.path}.generate_many"):
+                for chunk in chunks:
                     queue = queues.get(chunk["request_id"])
                     if queue is not None:
                         queue.put_nowait(chunk)
@@ -199,7 +214,8 @@ class EngineBatcher:
             # One fresh error per rollout: a shared exception object would collect every
             # rollout's traceback as each re-raises it.  Any failure of the call (the actor
             # died, or its method raised) fails the rollouts over to another engine.
-            kind = ChildNotRunning if isinstance(exc, RayActorError) else EngineRequestFailed
+            kind = ChildNotRunning if isinstance(exc, (RayActorError, CallDeadlineExceeded)) \
+                else EngineRequestFailed
             for queue in queues.values():
                 queue.put_nowait(kind(f"{engine.path} failed under the stream: "
                                       f"{type(exc).__name__}: {exc}"[:500]))
@@ -212,10 +228,11 @@ class SandboxClient:
     """Runs tool calls on the sandbox workers of every node's sandbox host."""
 
     def __init__(self, tree: SupervisionTree, hosts: list[str], workers: list[str],
-                 max_attempts: int) -> None:
+                 max_attempts: int, call_timeout_s: float = 60.0) -> None:
         self.hosts = [tree.ref(p) for p in hosts]
         self.workers = workers
         self.max_attempts = max_attempts
+        self.call_timeout_s = call_timeout_s
         self.calls = 0
         self._next = itertools.count()
 
@@ -236,8 +253,15 @@ class SandboxClient:
             worker = self.workers[(n // len(hosts)) % len(self.workers)]
             try:
                 self.calls += 1
-                return await host.actor.call.remote(worker, "execute", (request,),
-                                                    {"trace": trace} if trace else None)
+                result = await within(
+                    host.actor.call.remote(worker, "execute", (request,),
+                                           {"trace": trace} if trace else None),
+                    self.call_timeout_s, f"{host.path}/{worker}.execute")
+                if result.get("outcome") != "spawn_failed":
+                    return result  # type: ignore[no-any-return]
+                # The sandbox could not start the run: not the code's fault, try again.
+                last = str(result.get("detail") or "spawn failed")
+                continue
             except (*CHILD_GONE, RayTaskError) as exc:
                 last = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log.warning("tool call %s failed on %s/%s: %s", key, host.path, worker, last)
@@ -248,76 +272,152 @@ class SandboxClient:
                 "detail": f"sandbox unavailable after {self.max_attempts} attempts: {last}"}
 
 
-class JudgeClient:
-    """Scores through the judge workers with a retry budget and a circuit breaker.
+@dataclass(frozen=True)
+class BreakerSettings:
+    """A judge worker's circuit breaker (see :class:`erlay.judges.budget.CircuitBreaker`)."""
 
-    Judgements requested in the same event-loop turn travel as one ``score_many`` call.
+    failure_threshold: int = 10
+    cool_down_s: float = 5.0
+    window: int = 20
+    min_calls: int = 10
+    open_rate: float = 0.5
+
+
+class JudgeClient:
+    """Scores through the judge workers with a retry budget and one breaker per worker.
+
+    Judgements requested in the same event-loop turn for the same worker travel as one
+    ``score_many`` call.  A failed attempt is retried on another worker when there is one;
+    a worker whose breaker is open gets no work until its cool-down ends, while the others
+    keep judging.  Past the budget the judgement is ``ok=False`` with the last reason and its
+    ``kind``.  Judge failures that are the judge's own (a timeout, an exception, a bad
+    return) also count against the judge class's failure rate
+    (:class:`~erlay.actors.job.plugins.FailureWindow`): a judge that keeps failing raises
+    :class:`~erlay.actors.job.plugins.PluginFailing`, which stops the job.
     """
 
     def __init__(self, tree: SupervisionTree, hosts: list[str], workers: list[str],
-                 retries: int, clock: Callable[[], float] = time.monotonic) -> None:
-        from erlay.judges.budget import CircuitBreaker
+                 retries: int, clock: Callable[[], float] = time.monotonic, *,
+                 call_timeout_s: float = 30.0, breaker: BreakerSettings = BreakerSettings(),
+                 judge_path: str = "judge", rule: RateRule = RateRule()) -> None:
         self.hosts = [tree.ref(p) for p in hosts]
         self.workers = workers
         self.retries = retries
-        self.breaker = CircuitBreaker()
         self.clock = clock
+        self.call_timeout_s = call_timeout_s
+        self.breaker_settings = breaker
+        self.breakers: dict[tuple[str, str], Any] = {}
+        self.judge_path = judge_path
+        self.window = FailureWindow(rule)
         self.failures = 0
         self.calls = 0
         self._next = itertools.count()
-        self._waiting: list[tuple[tuple[Any, ...], asyncio.Future[dict[str, Any]]]] = []
+        self._waiting: dict[tuple[str, str], tuple[ChildRef, list[
+            tuple[tuple[Any, ...], asyncio.Future[dict[str, Any]]]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def breaker(self, target: tuple[str, str]) -> Any:
+        from erlay.judges.budget import CircuitBreaker
+        breaker = self.breakers.get(target)
+        if breaker is None:
+            b = self.breaker_settings
+            breaker = self.breakers[target] = CircuitBreaker(
+                b.failure_threshold, b.cool_down_s, window=b.window, min_calls=b.min_calls,
+                open_rate=b.open_rate)
+        return breaker
 
     async def score(self, key: str, judge_input: str, answer: str,
                     trace: dict[str, str] | None = None) -> dict[str, Any]:
-        """A Judgement dict; ``ok=False`` with the reason once the budget is spent.
+        """A Judgement dict; ``ok=False`` with the reason and kind once the budget is spent.
         ``trace`` is the caller's trace context, for the judge host's span."""
-        last = ""
+        last, kind = "", "unavailable"
+        tried: set[tuple[str, str]] = set()
+        attempts = 0
         for _ in range(self.retries + 1):
-            if not self.breaker.allow(self.clock()):
-                last = "circuit open"
-                await asyncio.sleep(0.1)
-                continue
+            picked = await self._pick(tried)
+            if picked is None:
+                last, kind = "every judge worker's circuit is open", "unavailable"
+                break
+            host, target = picked
+            attempts += 1
+            breaker = self.breaker(target)
             try:
-                result = await self._attempt((judge_input, answer, key, trace))
+                result = await self._attempt(host, target, (judge_input, answer, key, trace))
             except (*CHILD_GONE, RayTaskError) as exc:
-                last = f"{type(exc).__name__}"
-                self.breaker.record_failure(self.clock())
+                last, kind = f"{target[0]}/{target[1]}: {type(exc).__name__}", "unavailable"
+                breaker.record_failure(self.clock())
+                tried.add(target)
                 continue
             if result.get("ok", False):
-                self.breaker.record_success(self.clock())
+                breaker.record_success(self.clock())
+                self._account(None)
                 return result
-            last = result.get("reason", "judge failed")
-            self.breaker.record_failure(self.clock())
+            last, kind = result.get("reason", "judge failed"), result.get("kind", "undecided")
+            breaker.record_failure(self.clock())
+            tried.add(target)
         self.failures += 1
-        return {"reward": 0.0, "ok": False,
-                "reason": f"judge failed after {self.retries + 1} attempt(s): {last}"}
+        self._account(kind, last)
+        return {"reward": 0.0, "ok": False, "kind": kind,
+                "reason": f"judge failed after {attempts} attempt(s): {last}"}
 
-    async def _attempt(self, item: tuple[Any, ...]) -> dict[str, Any]:
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        if not self._waiting:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._waiting.append((item, future))
-        return await future
+    def _account(self, kind: str | None, reason: str = "") -> None:
+        """Feed the judge class's failure window: only its own failures count."""
+        from erlay.judges.base import USER_ERROR_KINDS
+        error = None
+        if kind in USER_ERROR_KINDS:
+            error = UserError(self.judge_path, "score", kind, reason)  # type: ignore[arg-type]
+        elif kind is not None:
+            return  # an infrastructure failure says nothing about the judge's code
+        if self.window.record(error):
+            failed, calls = self.window.counts()
+            raise PluginFailing(self.window.first_failure or error, failed, calls)  # type: ignore[arg-type]
 
-    def _flush(self) -> None:
-        batch, self._waiting = self._waiting, []
-        task = asyncio.create_task(self._send(batch), name="judge-score-many")
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, batch: list[tuple[tuple[Any, ...],
-                                            asyncio.Future[dict[str, Any]]]]) -> None:
-        try:
+    async def _pick(self, tried: set[tuple[str, str]]
+                    ) -> tuple[ChildRef, tuple[str, str]] | None:
+        """A running worker whose breaker admits a call, preferring one not yet tried; when
+        every breaker is open, wait (at most one cool-down) for one to half-open."""
+        deadline = self.clock() + self.breaker_settings.cool_down_s + 1.0
+        while True:
             hosts = await _wait_for_any(self.hosts, 30.0)
             if not hosts:
                 raise ChildNotRunning("no judge host is running")
             n = next(self._next)
-            host = hosts[n % len(hosts)]
-            worker = self.workers[(n // len(hosts)) % len(self.workers)]
+            candidates = [(h, (h.path, w)) for h in hosts for w in self.workers]
+            candidates = candidates[n % len(candidates):] + candidates[:n % len(candidates)]
+            for fresh_only in (True, False):
+                for host, target in candidates:
+                    if fresh_only and target in tried:
+                        continue
+                    if self.breaker(target).allow(self.clock()):
+                        return host, target
+            if self.clock() > deadline:
+                return None
+            await asyncio.sleep(0.1)
+
+    async def _attempt(self, host: ChildRef, target: tuple[str, str],
+                       item: tuple[Any, ...]) -> dict[str, Any]:
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        entry = self._waiting.get(target)
+        if entry is None:
+            entry = self._waiting[target] = (host, [])
+            asyncio.get_running_loop().call_soon(self._flush, target)
+        entry[1].append((item, future))
+        return await future
+
+    def _flush(self, target: tuple[str, str]) -> None:
+        host, batch = self._waiting.pop(target)
+        task = asyncio.create_task(self._send(host, target[1], batch), name="judge-score-many")
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, host: ChildRef, worker: str,
+                    batch: list[tuple[tuple[Any, ...],
+                                      asyncio.Future[dict[str, Any]]]]) -> None:
+        try:
             self.calls += 1
-            results = await host.actor.call.remote(worker, "score_many",
-                                                   ([item for item, _ in batch],))
+            results = await within(host.actor.call.remote(worker, "score_many",
+                                                          ([item for item, _ in batch],)),
+                                   self.call_timeout_s, f"{host.path}/{worker}.score_many")
         except BaseException as exc:  # each waiting judgement must hear of it
             for _, future in batch:
                 if not future.done():

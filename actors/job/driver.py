@@ -15,6 +15,7 @@ intensity and the failure climbs to the root, the job fails with the offender na
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -23,13 +24,14 @@ from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
 from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
+from erlay.actors.job.plugins import GuardedEnvironment, RateRule
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
 from erlay.actors.model.tokenizer import CharTokenizer
 from erlay.actors.observe.telemetry import JobTelemetry
 from erlay.actors.rundir import RunDir
 from erlay.environments.base import load_environment
-from erlay.supervisor.errors import SupervisorFailed, VersionMismatch
+from erlay.supervisor.errors import ChildStartError, SupervisorFailed, VersionMismatch
 from erlay.supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
 from erlay.supervisor.host import host_spec
 from erlay.supervisor.raylocal import alive_nodes, ensure_ray, shutdown_ray
@@ -38,6 +40,7 @@ from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
     InProcessStart,
+    Liveness,
     SupervisorFlags,
     SupervisorStart,
 )
@@ -70,6 +73,12 @@ def _flags(strategy: str, domain: DomainFlags, **kw: Any) -> SupervisorFlags:
     return SupervisorFlags(strategy, intensity=domain.intensity, period=domain.period, **kw)
 
 
+def _live(specs: list[ChildSpec], domain: DomainFlags) -> list[ChildSpec]:
+    """``specs`` with the domain's heartbeat (``supervision.<domain>.heartbeat_*``)."""
+    liveness = Liveness(domain.heartbeat_s, domain.heartbeat_misses)
+    return [dataclasses.replace(spec, liveness=liveness) for spec in specs]
+
+
 def free_port() -> int:
     """A free TCP port on loopback, for the learner ranks' process group."""
     import socket
@@ -100,7 +109,13 @@ class Job:
         self.cfg = cfg
         self.run_dir = run_dir
         self.tokenizer = CharTokenizer()
-        self.env = load_environment(cfg.environment.cls, **cfg.environment.kwargs)
+        plugins = cfg.plugins
+        self.env = GuardedEnvironment(
+            load_environment(cfg.environment.cls, **cfg.environment.kwargs),
+            cfg.environment.cls, timeout_s=plugins.timeout_s,
+            rule=RateRule(plugins.window, plugins.max_failure_rate, plugins.min_calls))
+        self.abort_reason: str | None = None   # set when the job must stop, failed
+        self.completed_steps: int | None = None   # the coordinator's, when training ends
         self.journal: Journal | None = None
         if journal:
             jc = cfg.journal
@@ -126,6 +141,11 @@ class Job:
         self.span_exporter: Any = None  # tests: an extra (in-memory) span exporter
         self.last_metrics: dict[str, Any] | None = None     # for `erlay status`
         self.last_rl_metrics: dict[str, Any] | None = None
+
+    def abort(self, reason: str) -> None:
+        """End the job as failed with ``reason`` (a broken plug-in): the tree then shuts
+        down as if training had ended, and :meth:`run` reports the failure."""
+        self.abort_reason = reason
 
     def report_metrics(self, record: dict[str, Any]) -> None:
         """Called by the coordinator: one line in metrics.jsonl, one update of the bar."""
@@ -212,7 +232,7 @@ class Job:
                                period=sup.sandbox.period)
         sandbox_template = ChildSpec("sandbox", InProcessStart(
             "erlay.sandbox.worker:SandboxWorker", args=(dict(cfg.sandbox.limits),)),
-            deadlines={"tool_call": self._tool_deadline()})
+            deadlines={"tool_call": self.tool_deadline()})
         workers = cfg.sandbox.workers_per_node
         # Each worker runs code as its own uid (60000 + slot); hosts that share a machine
         # (simulated nodes) must not share slots.
@@ -246,15 +266,19 @@ class Job:
             # 0 escalates at the first failure), and the root answers any escalation by
             # restarting every domain (one_for_all): the learner reloads its checkpoint and
             # the coordinator starts that step over without replaying the journal.
-            flags = {d: DomainFlags(intensity=0, period=f.period) for d, f in flags.items()}
+            flags = {d: f.model_copy(update={"intensity": 0}) for d, f in flags.items()}
             root_flags = SupervisorFlags("one_for_all", intensity=max(sup.root.intensity, 50),
                                          period=sup.root.period,
                                          auto_shutdown="any_significant")
         children = [
-            domain("learner", _flags("one_for_all", flags["learner"]), learners),
-            domain("generation", _flags("one_for_one", flags["generation"]), engines),
-            domain("sandbox", _flags("one_for_one", flags["sandbox"]), sandbox_hosts),
-            domain("judge", _flags("one_for_one", flags["judge"]), judge_hosts),
+            domain("learner", _flags("one_for_all", flags["learner"]),
+                   _live(learners, flags["learner"])),
+            domain("generation", _flags("one_for_one", flags["generation"]),
+                   _live(engines, flags["generation"])),
+            domain("sandbox", _flags("one_for_one", flags["sandbox"]),
+                   _live(sandbox_hosts, flags["sandbox"])),
+            domain("judge", _flags("one_for_one", flags["judge"]),
+                   _live(judge_hosts, flags["judge"])),
             domain("rollout", _flags("rest_for_one", flags["rollout"],
                                      auto_shutdown="any_significant"), [coordinator],
                    restart="transient", significant=True),
@@ -269,7 +293,7 @@ class Job:
         self.tree = SupervisionTree(ROOT, root_flags, children, sink=self.events)
         return self.tree
 
-    def _tool_deadline(self) -> float:
+    def tool_deadline(self) -> float:
         wall = float(self.cfg.sandbox.limits.get("wall_timeout_s", 5.0))
         return wall * 2 + 5.0
 
@@ -295,27 +319,53 @@ class Job:
         tree = self.build()
         from erlay.actors.observe.status import StatusPublisher
         status = StatusPublisher.for_job(self, tree)  # `erlay status` reads what it publishes
+        result: JobResult | None = None
         try:
             status.start()  # before the boot, so that a slow boot shows too
             tree.start()
             if on_start is not None:
                 on_start(tree)
-            self._follow(tree, progress)
-            reason: ExitReason = tree.wait()
-            result = JobResult("finished", str(reason), time.time() - started, self.run_dir)
+            stalled = self._follow(tree, progress)
+            if stalled is not None:
+                tree.stop()
+                result = JobResult("failed", stalled, time.time() - started, self.run_dir,
+                                   "rollout")
+            else:
+                reason: ExitReason = tree.wait()
+                result = self._outcome(reason, time.time() - started)
         except SupervisorFailed as exc:
             result = JobResult("failed", str(exc), time.time() - started, self.run_dir,
                                exc.offender)
+        except ChildStartError as exc:  # the boot failed: nothing is left running
+            result = JobResult("failed", f"the tree did not start: {exc}",
+                               time.time() - started, self.run_dir, exc.child)
         except BaseException:
             tree.stop()
             self._close()
             raise
         finally:
+            if result is not None:
+                status.finish(result.status, result.reason,
+                              0 if result.status == "finished" else 1)
             status.stop()
             finish_nodes(cfg.node, nodes, self.run_dir.path.name)  # the elected one archives
             if ray_info["started"]:  # a Ray this job started ends with it, agents and all
                 shutdown_ray()
+        assert result is not None  # every other way out raised
         return self._end(result)
+
+    def _outcome(self, reason: ExitReason, wall_s: float) -> JobResult:
+        """Finished only when every configured step trained; anything else is a failure
+        that says why (a broken plug-in, a domain that ended the job early)."""
+        if self.abort_reason is not None:
+            return JobResult("failed", self.abort_reason, wall_s, self.run_dir, "rollout")
+        if self.completed_steps != self.cfg.run.steps:
+            done = self.completed_steps if self.completed_steps is not None else \
+                1 + max((int(m["step"]) for m in self.run_dir.rl_steps()), default=-1)
+            return JobResult("failed", f"the job ended after {done} of {self.cfg.run.steps} "
+                             f"steps: the tree stopped ({reason})", wall_s, self.run_dir,
+                             "rollout")
+        return JobResult("finished", str(reason), wall_s, self.run_dir)
 
     def _end(self, result: JobResult) -> JobResult:
         self._close()
@@ -338,35 +388,51 @@ class Job:
                     f"{self.run_dir.path}`\n")
 
     def _close(self) -> None:
+        self.env.close()
         self.telemetry.close()
         self._jsonl.close()
         if self.journal is not None:
             self.journal.close()
 
-    def _follow(self, tree: SupervisionTree, progress: bool) -> None:
-        """Drain metrics into a progress bar until the tree ends."""
+    def _follow(self, tree: SupervisionTree, progress: bool) -> str | None:
+        """Drain metrics into a progress bar until the tree ends.  Returns why the job is
+        stalled, when no metrics came for ``run.stall_timeout_s`` (else None)."""
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=self.cfg.run.steps, unit="step", dynamic_ncols=True,
                        mininterval=0.5)
         last = time.time()
+        heard = time.monotonic()
         samples = 0
         try:
             while tree.alive:
                 try:
                     record = self.metrics.get(timeout=0.5)
                 except queue.Empty:
+                    silent = time.monotonic() - heard
+                    if silent > self.cfg.run.stall_timeout_s:
+                        return self._stall_reason(silent)
                     continue
+                heard = time.monotonic()
                 if record.get("phase") != "rl" or bar is None:
                     continue
                 now = time.time()
                 samples = record["samples"]
                 bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
+                mean = record.get("reward_mean")
+                bar.set_postfix(reward="-" if mean is None else f"{mean:.3f}",
                                 samples_s=f"{samples / max(now - last, 1e-6):.0f}",
                                 restarts=record["restarts"], refresh=False)
                 last = now
         finally:
             if bar is not None:
                 bar.close()
+        return None
+
+    def _stall_reason(self, silent: float) -> str:
+        last = self.last_metrics or {}
+        where = (f"step {last['step']}" if "step" in last else
+                 f"phase {last.get('phase', 'start-up')}")
+        return (f"stalled: no progress for {silent:.0f} s (run.stall_timeout_s "
+                f"{self.cfg.run.stall_timeout_s:g}); last progress: {where}")

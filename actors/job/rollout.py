@@ -7,7 +7,10 @@ already received (``prefix_ids``), so nothing generated is lost and, with the to
 (seed, position) sampling, the continuation is the one the dead engine would have produced.
 
 Malformed model output never raises: the environment turns it into an error observation or
-a zero reward with a recorded ``failure``.
+a zero reward with a recorded ``failure``.  The environment itself is user code, called
+through a :class:`~erlay.actors.job.plugins.GuardedEnvironment`: when it raises, hangs or
+returns garbage, that rollout alone fails with a typed ``user_error`` on its COMPLETED
+record, and is consumed by its step with weight 0 (``valid`` is False).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from erlay.actors.job.domains import (
     JudgeClient,
     SandboxClient,
 )
+from erlay.actors.job.plugins import GuardedEnvironment, UserCodeFailed, UserError
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.model.sampling import rollout_seed
-from erlay.actors.model.tokenizer import EOS, CharTokenizer
-from erlay.environments.base import Environment, Episode, tool_output_from_result
+from erlay.actors.model.tokenizer import BOS, EOS, CharTokenizer
+from erlay.environments.base import Episode, tool_output_from_result
 from erlay.supervisor import telemetry
 from erlay.supervisor.failpoints import afailpoint
 
@@ -61,6 +65,7 @@ class Trajectory:
     reward: float = 0.0
     judged_ok: bool = True                                  # False: marked, not trained on
     failure: str | None = None
+    user_error: dict[str, str] | None = None                # the plug-in's typed failure
     judge_reason: str = ""
     tool_calls: int = 0
     turns: int = 0
@@ -72,6 +77,21 @@ class Trajectory:
     def min_version(self) -> int:
         made = [v for v in self.versions if v >= 0]
         return min(made) if made else -1
+
+    @property
+    def valid(self) -> bool:
+        """Whether the sample can be trained on: judged, and no user code failed on it.
+        An invalid sample is consumed by its step with weight 0 and counted apart."""
+        return self.judged_ok and self.user_error is None
+
+    def fail(self, error: UserError) -> None:
+        """Mark the sample failed by user code: one masked EOS stands in for its completion,
+        so every failed sample has the same shape however far it got."""
+        self.user_error = error.to_dict()
+        self.failure = error.reason
+        self.reward = 0.0
+        self.completion_ids, self.logprobs, self.versions = [EOS], [0.0], [-1]
+        self.loss_mask = [False]
 
 
 @dataclass(frozen=True)
@@ -108,16 +128,18 @@ class RolloutHistory:
     tool_results: dict[str, Any] = field(default_factory=dict)
     judgements: dict[str, Any] = field(default_factory=dict)
     completed: bool = False
+    user_error: dict[str, str] | None = None   # the COMPLETED record's, if user code failed
 
     @staticmethod
     def from_parts(dispatched: bool, chunks: list[dict[str, Any]], observations: list[int],
                    tool_results: dict[str, Any], judgements: dict[str, Any],
-                   completed: bool) -> RolloutHistory:
+                   completed: bool, user_error: dict[str, str] | None = None
+                   ) -> RolloutHistory:
         """``chunks`` are CHUNK transition data in any order, duplicates allowed (a replay
         after a crash may have recorded a chunk twice); each turn keeps the contiguous run of
         tokens from position 0."""
         history = RolloutHistory(dispatched, {}, set(observations), dict(tool_results),
-                                 dict(judgements), completed)
+                                 dict(judgements), completed, user_error)
         by_turn: dict[int, dict[int, dict[str, Any]]] = {}
         for chunk in chunks:
             by_turn.setdefault(int(chunk["turn"]), {})[int(chunk["start"])] = chunk
@@ -160,7 +182,7 @@ class RolloutRunner:
     host add their own spans under those, from the trace context sent with each request.
     """
 
-    def __init__(self, env: Environment, tokenizer: CharTokenizer, engines: EnginePool,
+    def __init__(self, env: GuardedEnvironment, tokenizer: CharTokenizer, engines: EnginePool,
                  sandbox: SandboxClient, judge: JudgeClient, sink: TransitionSink,
                  sampling: SamplingParams, max_seq_len: int,
                  observer: RolloutObserver | None = None) -> None:
@@ -182,12 +204,14 @@ class RolloutRunner:
         # (rollout id, turn, completion position, engine) of each turn continued from a
         # prefix: after a failover, or when a replay resumes a journaled turn
         self.continuations: list[tuple[str, int, int, str]] = []
+        self.user_errors = 0
         self._reported_failures: set[tuple[str, int]] = set()
         self._nonce = secrets.token_hex(3)
         self._attempts = itertools.count()
 
-    async def play(self, rollout_id: str, step: int, group: int, episode: Episode,
-                   episode_index: int, history: RolloutHistory | None = None) -> Trajectory:
+    async def play(self, rollout_id: str, step: int, group: int,
+                   episode: Episode | UserError, episode_index: int,
+                   history: RolloutHistory | None = None) -> Trajectory:
         """Play one rollout to its reward, or continue it from its journaled ``history``.
 
         Rollout ids, seeds and episodes are deterministic, so a continued rollout is the
@@ -200,12 +224,44 @@ class RolloutRunner:
                             rollout_id=rollout_id, step=step,
                             group=group, policy_version=version,
                             replayed=history is not None) as span:
-            traj = await self._play(rollout_id, step, group, episode, episode_index,
-                                    history or RolloutHistory(), version)
+            history = history or RolloutHistory()
+            if isinstance(episode, UserError):  # the environment's reset failed
+                traj = self._failed(rollout_id, step, group, episode_index, episode, history,
+                                    version)
+            elif history.user_error is not None:  # journaled as failed: keep its outcome
+                traj = self._failed(rollout_id, step, group, episode_index,
+                                    UserError(**history.user_error), history, version)
+            else:
+                traj = await self._play(rollout_id, step, group, episode, episode_index,
+                                        history, version)
             traj.trace = telemetry.carrier(span)
             span.set_attribute("erlay.reward", traj.reward)
             span.set_attribute("erlay.tokens", traj.generated_tokens)
         return traj
+
+    def _failed(self, rollout_id: str, step: int, group: int, episode_index: int,
+                error: UserError, history: RolloutHistory, version: int) -> Trajectory:
+        """A rollout whose environment failed before it could start (``reset``), or that
+        the journal holds as failed: one DISPATCHED and one COMPLETED record, no more."""
+        traj = Trajectory(rollout_id, step, group, episode_index, [BOS])
+        traj.fail(error)
+        self.user_errors += 1
+        if not history.dispatched:
+            self.sink.record(Transition(TransitionKind.DISPATCHED, rollout_id, {
+                "episode": None, "prompt_ids": traj.prompt_ids, "seed": 0, "version": version,
+                "step": step, "group": group, "episode_index": episode_index}))
+        self._complete(traj, history)
+        return traj
+
+    def _complete(self, traj: Trajectory, history: RolloutHistory) -> None:
+        """The rollout's one terminal record (none if the journal already holds it)."""
+        if history.completed:
+            return
+        data: dict[str, Any] = {"reward": traj.reward, "judged_ok": traj.judged_ok,
+                                "failure": traj.failure, "turns": traj.turns}
+        if traj.user_error is not None:
+            data["user_error"] = traj.user_error
+        self.sink.record(Transition(TransitionKind.COMPLETED, traj.rollout_id, data))
 
     async def _play(self, rollout_id: str, step: int, group: int, episode: Episode,
                     episode_index: int, history: RolloutHistory, version: int) -> Trajectory:
@@ -224,6 +280,12 @@ class RolloutRunner:
             traj.turns = turn + 1
             context = prompt_ids + traj.completion_ids
             budget = min(self.sampling.max_new_tokens, self.max_seq_len - len(context))
+            if budget <= 0 and turn == 0:  # the prompt alone fills the context
+                traj.fail(UserError(self.env.plugin, "reset", "bad_return",
+                                    f"a prompt of {len(prompt_ids)} tokens leaves no room in "
+                                    f"max_seq_len {self.max_seq_len}"))
+                self._complete(traj, history)
+                return traj
             if budget <= 0:
                 traj.failure = "context full"
                 break
@@ -248,13 +310,18 @@ class RolloutRunner:
             traj.loss_mask += [True] * len(tokens)
             traj.generated_tokens += len(tokens)
             text = self.tok.decode(t for t in tokens if t != EOS)
-            episode, result = self.env.step(episode, text)
-            if result.done or result.tool_call is None:
-                break
-            traj.tool_calls += 1
-            observation = await self._tool(rollout_id, traj.tool_calls - 1,
-                                           result.tool_call.code, episode, history)
-            episode, obs_text = observation
+            try:
+                episode, result = await self.env.step(episode, text)
+                if result.done or result.tool_call is None:
+                    break
+                traj.tool_calls += 1
+                episode, obs_text = await self._tool(rollout_id, traj.tool_calls - 1,
+                                                     result.tool_call.code, episode, history)
+            except UserCodeFailed as exc:
+                traj.fail(exc.error)
+                self.user_errors += 1
+                self._complete(traj, history)
+                return traj
             obs_ids = self.tok.encode(obs_text)
             if turn not in history.observations:
                 self.sink.record(Transition(TransitionKind.OBSERVATION, rollout_id,
@@ -264,10 +331,7 @@ class RolloutRunner:
             traj.versions += [-1] * len(obs_ids)
             traj.loss_mask += [False] * len(obs_ids)
         await self._reward(traj, episode, result, history)
-        if not history.completed:
-            self.sink.record(Transition(TransitionKind.COMPLETED, rollout_id, {
-                "reward": traj.reward, "judged_ok": traj.judged_ok, "failure": traj.failure,
-                "turns": traj.turns}))
+        self._complete(traj, history)
         return traj
 
     async def _generate(self, rollout_id: str, turn: int, context: list[int], seed: int,
@@ -365,7 +429,7 @@ class RolloutRunner:
         else:
             self.tool_results_reused += 1
         text, ok = tool_output_from_result(result)
-        return self.env.observe(episode, text, ok)
+        return await self.env.observe(episode, text, ok)
 
     async def _reward(self, traj: Trajectory, episode: Episode, result: Any,
                       history: RolloutHistory) -> None:
@@ -389,7 +453,8 @@ class RolloutRunner:
                                             {"key": key, "judgement": judgement}))
                 span.set_attribute("erlay.ok", bool(judgement.get("ok", False)))
             if not judgement.get("ok", False) and self.observer is not None:
-                self.observer.judge_failure(judge_failure_kind(str(judgement.get("reason"))))
+                self.observer.judge_failure(str(judgement.get("kind") or judge_failure_kind(
+                    str(judgement.get("reason")))))
         traj.reward = float(judgement.get("reward", 0.0))
         traj.judged_ok = bool(judgement.get("ok", False))
         traj.judge_reason = str(judgement.get("reason", ""))

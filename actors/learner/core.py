@@ -63,8 +63,11 @@ class TrainBatch:
     engine sampled it with, the policy version that produced it (segments of one completion
     may differ when a weight update landed mid-rollout; -1 for tokens no policy produced,
     such as tool output), and whether it is trained on
-    (``loss_mask``; tool output injected into a multi-turn completion is not).  Validated on
-    construction; a bad batch raises ValueError naming the row.
+    (``loss_mask``; tool output injected into a multi-turn completion is not).  ``valid``
+    marks the samples that count in their group's advantage statistics: one whose judge or
+    user code failed is consumed with weight 0 and must not lower its siblings' baseline as
+    a reward of 0 would (None: all count).  Validated on construction; a bad batch raises
+    ValueError naming the row.
     """
 
     prompt_ids: list[list[int]]
@@ -75,6 +78,7 @@ class TrainBatch:
     group_size: int
     rollout_ids: list[str]
     loss_mask: list[list[bool]] | None = None
+    valid: list[bool] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -83,6 +87,8 @@ class TrainBatch:
             "versions": self.versions, "rewards": self.rewards, "rollout_ids": self.rollout_ids}
         if self.loss_mask is not None:
             columns["loss_mask"] = self.loss_mask
+        if self.valid is not None:
+            columns["valid"] = self.valid
         for name, column in columns.items():
             if len(column) != n:
                 raise ValueError(f"{name} has {len(column)} rows, completion_ids has {n}")
@@ -131,7 +137,8 @@ class TrainBatch:
         return {**rows, "rewards": list(self.rewards), "group_size": self.group_size,
                 "rollout_ids": list(self.rollout_ids),
                 "loss_mask": None if self.loss_mask is None else
-                [list(row) for row in self.loss_mask]}
+                [list(row) for row in self.loss_mask],
+                "valid": None if self.valid is None else list(self.valid)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainBatch:
@@ -293,7 +300,8 @@ class LearnerCore:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             rewards = torch.tensor(tb.rewards, dtype=torch.float32)
-            advantages = group_advantages(rewards, tb.group_size)
+            valid = None if tb.valid is None else torch.tensor(tb.valid, dtype=torch.bool)
+            advantages = group_advantages(rewards, tb.group_size, valid=valid)
             mine = shard(list(range(len(tb))), self.world_size, self.rank)
             chunks = [shard(mine, self.minibatches, j) for j in range(self.minibatches)]
             fixed = [self._fixed_logprobs(tb, c, with_prox=j > 0)

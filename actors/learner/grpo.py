@@ -28,7 +28,7 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
+                     eps: float = 1e-6, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages ``[N]`` for rewards ``[N]`` laid out group by group.
 
     ``A = (r - mean_group) / (std_group + eps)`` or, without ``normalize_std``,
@@ -39,18 +39,38 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: b
     enforced explicitly, because the floating-point mean of equal values can differ from
     them in the last bit.
 
+    ``valid`` (bool ``[N]``): only valid samples enter their group's mean and std, and
+    invalid ones get advantage 0, so a sample that could not be judged is not a reward of 0.
+    Each group's statistics are then those of its valid members, exactly as if the invalid
+    ones were absent.
+
     Raises ValueError unless ``rewards`` is 1-D with a length divisible by ``group_size``.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if valid is not None and not bool(valid.all()):
+        return _valid_group_advantages(rewards, group_size, valid, normalize_std, eps)
     groups = rewards.detach().to(torch.float32).view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     if normalize_std:
         centred = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
     flat = groups.max(dim=1, keepdim=True).values == groups.min(dim=1, keepdim=True).values
     return torch.where(flat, torch.zeros_like(centred), centred).reshape(-1)
+
+
+def _valid_group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor,
+                            normalize_std: bool, eps: float) -> torch.Tensor:
+    """:func:`group_advantages` of each group's valid members; 0 for the others."""
+    out = torch.zeros(rewards.numel(), dtype=torch.float32)
+    flat_rewards = rewards.detach().to(torch.float32)
+    for g in range(rewards.numel() // group_size):
+        members = [i for i in range(g * group_size, (g + 1) * group_size) if bool(valid[i])]
+        if members:
+            out[members] = group_advantages(flat_rewards[members], len(members),
+                                            normalize_std=normalize_std, eps=eps)
+    return out
 
 
 def truncated_is_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor,

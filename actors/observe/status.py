@@ -95,6 +95,7 @@ class StatusPublisher:
         self.interval_s = interval_s
         self.endpoint: Any = None
         self.published = 0
+        self.last_doc: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,6 +116,26 @@ class StatusPublisher:
         self._thread = threading.Thread(target=self._loop, name="erlay-status", daemon=True)
         self._thread.start()
 
+    def finish(self, status: str, reason: str, exit_code: int, linger_s: float = 0.0) -> None:
+        """Publish the job's outcome as its last snapshot (the tree is gone by now, so the
+        last one collected is reused), then keep the endpoint up ``linger_s`` seconds for
+        readers to see it.  What ``erlay status`` shows then agrees with the exit code."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self.endpoint is None:
+            return
+        import ray
+        doc = dict(self.last_doc or {})
+        doc["outcome"] = {"status": status, "reason": reason, "exit_code": exit_code}
+        try:
+            ray.get(self.endpoint.publish.remote(doc), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - status is optional
+            log.debug("erlay status: the outcome was not published: %s", exc)
+            return
+        if linger_s > 0:
+            time.sleep(linger_s)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -133,6 +154,7 @@ class StatusPublisher:
         try:
             doc = self.collect()
             ray.get(self.endpoint.publish.remote(doc), timeout=10)
+            self.last_doc = doc
         except Exception as exc:  # noqa: BLE001 - e.g. the tree is mid-restart: skip a tick
             log.debug("erlay status: snapshot skipped: %s: %s", type(exc).__name__, exc)
             return False
@@ -272,8 +294,9 @@ def status_view(read: dict[str, Any], *, address: str, endpoint: str) -> dict[st
     interval = float(doc.get("interval_s") or PUBLISH_INTERVAL_S)
     return {"address": address, "endpoint": endpoint, "schema": doc.get("schema"),
             "run": doc.get("run") or {}, "job": job, "snapshot_age_s": round(age, 3),
-            "stale": age > STALE_INTERVALS * interval, "tree": tree,
-            "children": flatten(tree) if tree else []}
+            "stale": age > STALE_INTERVALS * interval and not doc.get("outcome"),
+            "tree": tree, "children": flatten(tree) if tree else [],
+            "outcome": doc.get("outcome")}
 
 
 def format_age(seconds: float | None) -> str:
@@ -320,7 +343,10 @@ def header_lines(view: dict[str, Any]) -> list[str]:
     age = format_age(view["snapshot_age_s"])
     stale = "  STALE (driver busy, hung or exiting)" if view["stale"] else ""
     driver = job.get("driver") or {}
-    return [f"run {run.get('id', '?')}  ({run.get('dir', '?')})",
+    outcome = view.get("outcome")
+    ended = ([f"ENDED {outcome['status'].upper()} (exit code {outcome['exit_code']}): "
+              f"{outcome['reason']}"] if outcome else [])
+    return [*ended, f"run {run.get('id', '?')}  ({run.get('dir', '?')})",
             f"{step}   last reward {reward}   restarts {job.get('restarts', 0)}   "
             f"uptime {format_age(job.get('uptime_s'))}   snapshot {age} old{stale}",
             f"driver pid {driver.get('pid', '?')} on {driver.get('host', '?')}   "

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from erlay.actors.job.coordinator import demonstration_tokens
+from erlay.actors.job.plugins import GuardedEnvironment
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams
 from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
 from erlay.actors.model.tokenizer import CharTokenizer
@@ -54,11 +55,16 @@ def journaled_tool_rollout(tok: CharTokenizer, env: ToolUseEnv, rid: str
     return history, episode, turns[0] + turns[1]
 
 
+def guarded(env: ToolUseEnv) -> GuardedEnvironment:
+    return GuardedEnvironment(env, "erlay.environments.tool_use:ToolUseEnv")
+
+
 def test_a_completed_rollout_replays_from_the_journal_without_any_domain() -> None:
     tok, env = CharTokenizer(), ToolUseEnv()
     history, episode, _ = journaled_tool_rollout(tok, env, "r00000-g000-0")
     sink = MemoryTransitions()
-    runner = RolloutRunner(env, tok, Engines(), Forbidden("sandbox"),  # type: ignore[arg-type]
+    runner = RolloutRunner(guarded(env), tok, Engines(),
+                           Forbidden("sandbox"),  # type: ignore[arg-type]
                            Forbidden("judge"), sink,  # type: ignore[arg-type]
                            SamplingParams(24, 1.0, 8, 0), max_seq_len=96)
     traj = asyncio.run(runner.play("r00000-g000-0", 0, 0, episode, 3, history))
@@ -84,7 +90,8 @@ def test_a_tool_call_without_a_journaled_result_runs_once_under_its_key() -> Non
             return result
 
     sink = MemoryTransitions()
-    runner = RolloutRunner(env, tok, Engines(), Sandbox(),  # type: ignore[arg-type]
+    runner = RolloutRunner(guarded(env), tok, Engines(),
+                           Sandbox(),  # type: ignore[arg-type]
                            Forbidden("judge"), sink,  # type: ignore[arg-type]
                            SamplingParams(24, 1.0, 8, 0), max_seq_len=96)
     asyncio.run(runner.play("r00000-g000-1", 0, 0, episode, 3, history))

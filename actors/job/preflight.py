@@ -1,0 +1,113 @@
+"""Checks of the job's plug-ins and data before anything starts.
+
+``erlay run`` calls :func:`preflight` after the config validates and before it creates the run
+directory or starts Ray.  Each problem is one :class:`~erlay.actors.config.ConfigError` line,
+so the command exits 2 having started nothing:
+
+- the environment or judge class does not implement its protocol.  The check is structural,
+  as :mod:`erlay.environments.base` defines it: a plain class with the protocol's methods is
+  valid; the error names the class path and the missing members;
+- the class rejects its configured ``kwargs`` (checked against its signature, then by
+  building the environment, which the job does anyway);
+- a prompt cannot fit ``model.max_seq_len`` together with ``engine.max_new_tokens``: the
+  first :data:`PROMPTS_CHECKED` episodes, and as many warm-start ones, are reset and
+  tokenized;
+- the environment's ``reset`` fails on those episodes.
+
+May import: erlay.supervisor, erlay.environments, erlay.judges, erlay.actors.config,
+erlay.actors.model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from erlay.actors.config import ConfigError, JobConfig
+from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.supervisor.imports import import_path
+
+PROMPTS_CHECKED = 64
+WARM_START_BASE = 10_000_000  # the coordinator's warm-start episode indexes start here
+
+ENV_METHODS = ("reset", "step", "observe", "demonstration")
+
+
+def _bind(target: Any, kwargs: dict[str, Any], key: str, path: str) -> None:
+    """The kwargs fit ``target``'s signature, or a ConfigError naming the key and class."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin or C type: nothing to check up front
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{key}: {path} rejects its kwargs {sorted(kwargs)}: {exc}") from None
+
+
+def check_environment_class(path: str, kwargs: dict[str, Any]) -> Any:
+    """The environment class at ``path``, checked for the protocol's methods and kwargs."""
+    target = import_path(path, "environment")
+    missing = [m for m in ENV_METHODS if not callable(getattr(target, m, None))]
+    if missing and isinstance(target, type):
+        raise ConfigError(f"environment.class: {path} does not implement the Environment "
+                          f"protocol: missing {', '.join(missing)}")
+    _bind(target, kwargs, "environment.kwargs", path)
+    return target
+
+
+def check_judge_class(path: str, kwargs: dict[str, Any]) -> Any:
+    """The judge class at ``path``, checked for ``score`` or ``score_async`` and kwargs."""
+    target = import_path(path, "judge")
+    if isinstance(target, type) and not (callable(getattr(target, "score", None))
+                                         or callable(getattr(target, "score_async", None))):
+        raise ConfigError(f"judge.class: {path} does not implement the Judge protocol: "
+                          "missing score (or score_async)")
+    _bind(target, kwargs, "judge.kwargs", path)
+    return target
+
+
+def build_environment(cfg: JobConfig) -> Any:
+    """Build the job's environment, turning every way it can fail into one ConfigError."""
+    from erlay.environments.base import load_environment
+    path = cfg.environment.cls
+    check_environment_class(path, dict(cfg.environment.kwargs))
+    try:
+        return load_environment(path, **cfg.environment.kwargs)
+    except TypeError as exc:  # missing members on the built object
+        raise ConfigError(f"environment.class: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: any error is bad input
+        raise ConfigError(f"environment.class: building {path} failed: "
+                          f"{type(exc).__name__}: {exc}") from None
+
+
+def check_prompts(cfg: JobConfig, env: Any, tokenizer: CharTokenizer) -> None:
+    """Reset the first episodes of training and of the warm start; each prompt must leave
+    ``engine.max_new_tokens`` of room in ``model.max_seq_len``."""
+    limit = cfg.model.max_seq_len - cfg.engine.max_new_tokens
+    if limit < 1:
+        raise ConfigError(f"engine.max_new_tokens: {cfg.engine.max_new_tokens} leaves no room "
+                          f"for a prompt in model.max_seq_len {cfg.model.max_seq_len}")
+    indexes = [*range(PROMPTS_CHECKED),
+               *(range(WARM_START_BASE, WARM_START_BASE + PROMPTS_CHECKED)
+                 if cfg.warm_start.steps else ())]
+    for index in indexes:
+        try:
+            episode = env.reset(index, cfg.run.seed)
+            prompt = tokenizer.encode(episode.prompt, bos=True)
+        except Exception as exc:  # noqa: BLE001 - the user's reset: any error is bad input
+            raise ConfigError(f"environment.class: {cfg.environment.cls}.reset({index}, "
+                              f"{cfg.run.seed}) failed: {type(exc).__name__}: {exc}") from None
+        if len(prompt) > limit:
+            raise ConfigError(
+                f"model.max_seq_len: episode {index}'s prompt is {len(prompt)} tokens; with "
+                f"engine.max_new_tokens {cfg.engine.max_new_tokens} it needs max_seq_len >= "
+                f"{len(prompt) + cfg.engine.max_new_tokens} (is {cfg.model.max_seq_len})")
+
+
+def preflight(cfg: JobConfig, tokenizer: CharTokenizer | None = None) -> Any:
+    """Run every check; return the built environment (the job reuses it)."""
+    check_judge_class(cfg.judge.cls, dict(cfg.judge.kwargs))
+    env = build_environment(cfg)
+    check_prompts(cfg, env, tokenizer or CharTokenizer())
+    return env
