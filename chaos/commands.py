@@ -2,6 +2,8 @@
 
   erlay chaos list                 the scenarios shipped in configs/chaos/
   erlay chaos run SCENARIO         run a scenario, check its invariants, write its report
+  erlay chaos run --all [--smoke]  every shipped scenario (or the CI smoke subset), one
+                                   after another, then a table of their verdicts
 
 Importing this module is cheap: the runner (and Ray) load inside :meth:`ChaosCommand.run`.
 """
@@ -28,7 +30,11 @@ class ChaosCommand:
         sub.add_parser("list", help="the scenarios in configs/chaos/")
         run = sub.add_parser("run", help="run a scenario, check its invariants and write "
                              "chaos-report.json/.md")
-        run.add_argument("scenario", help="a scenario name (configs/chaos/NAME.yaml) or a path")
+        run.add_argument("scenario", nargs="?", help="a scenario name (configs/chaos/NAME.yaml) "
+                         "or a path")
+        run.add_argument("--all", action="store_true", help="run every shipped scenario")
+        run.add_argument("--smoke", action="store_true", help="with --all: only the CI smoke "
+                         "subset")
         run.add_argument("--config", help="run this job config instead of the scenario's "
                          "(the scenario's overrides still apply)")
         run.add_argument("--out", help="parent directory of the runs (default runs/chaos)")
@@ -41,6 +47,13 @@ class ChaosCommand:
             for name, description, smoke in list_scenarios():
                 print(f"{name:28s} {'[smoke] ' if smoke else ''}{description}")
             return 0
+        if args.all == (args.scenario is not None):
+            print("erlay: chaos run takes a SCENARIO or --all", file=sys.stderr)
+            return 2
+        if args.all:
+            from erlay.chaos.suite import run_all
+            return run_all(smoke_only=args.smoke, with_baselines=not args.no_baselines,
+                           parent=Path(args.out) if args.out else None)
         try:
             scenario = load_scenario(args.scenario)
         except ScenarioError as exc:
@@ -55,6 +68,10 @@ class ChaosCommand:
             mark = {True: "PASS", False: "FAIL", None: "SKIP"}[verdict.ok]
             print(f"  {mark}  {verdict.name}: {verdict.detail}")
         print(f"erlay: chaos report {result.report_paths[1]}")
+        failed = [v.name for v in result.verdicts if v.ok is False]
+        print(f"erlay: chaos {scenario.name}: "
+              + ("PASS" if result.ok else f"FAIL ({', '.join(failed)}); run "
+                 f"{result.run.status}: {result.run.reason}"[:400]))
         return 0 if result.ok else 1
 
 

@@ -46,8 +46,9 @@ FAILPOINT_HOMES = {
 
 
 def tree_paths(job: Job) -> list[str]:
-    """Every child path of the job's tree that runs in a process of its own (actor children
-    and hosts); hosted children share their host's process and are reached through it."""
+    """Every child path of the job's tree that runs in a process of its own: actor children,
+    hosts, and the subprocess children of hosts (in-process hosted children share their
+    host's process and are reached through it)."""
     assert job.tree is not None
     snapshot = job.tree.snapshot()
     out: list[str] = []
@@ -57,8 +58,11 @@ def tree_paths(job: Job) -> list[str]:
             path = f"{prefix}/{row['id']}"
             if row.get("strategy") and not (row.get("info") or {}).get("pid"):
                 walk(row.get("children") or [], path)  # a supervisor: look inside
-            else:
-                out.append(path)
+                continue
+            out.append(path)
+            for child in row.get("children") or []:  # a host's subprocess children
+                if (child.get("info") or {}).get("kind") == "subprocess":
+                    out.append(f"{path}/{child['id']}")
     walk(snapshot["children"], snapshot["path"])
     return out
 
@@ -85,6 +89,14 @@ class Injector:
 
     def _pid(self, path: str) -> int:
         assert self.job.tree is not None
+        hosted = _hosted(path)
+        if hosted is not None:  # a subprocess child of a host: the host knows its pid
+            host, child = hosted
+            rows = ray.get(self.job.tree.ref(host).actor.which_children.remote(), timeout=30)
+            row = next((r for r in rows if r["id"] == child), None)
+            if row is None or not (row.get("info") or {}).get("pid"):
+                raise LookupError(f"{path} is not a running subprocess child of {host}")
+            return int(row["info"]["pid"])
         info = self.job.tree.ref(path).process.info
         if not info.get("pid"):
             raise LookupError(f"{path} reports no pid")
@@ -161,6 +173,54 @@ class Injector:
         target = targets[0] if len(targets) == 1 else where
         return self._record("failpoint", target, expect, detail)
 
+    def delay(self, pattern: str, site: str, delay_s: float, count: int | None = None,
+              probability: float | None = None) -> FaultRecord:
+        """Slow calls: a ``delay`` at failpoint ``site`` in every process matching
+        ``pattern``."""
+        spec: dict[str, Any] = {"action": "delay", "delay_s": delay_s}
+        if count is not None:
+            spec["count"] = count
+        if probability is not None:
+            spec["probability"] = probability
+        record = self.failpoint(site, spec, pattern, expect="absorbed")
+        self.records[-1] = record = _replace(record, kind="delay")
+        return record
+
+    def user_error(self, plugin: str, mode: str, probability: float = 1.0,
+                   count: int | None = None, seed: int | None = None) -> FaultRecord:
+        """The user's own code fails: the environment's calls (in this driver, where the
+        coordinator runs them) or the judge's ``score`` (in every judge host) raise, hang
+        or return garbage, on a share ``probability`` of calls."""
+        action = {"raise": "raise", "hang": "hang", "bad_return": "corrupt"}[mode]
+        spec: dict[str, Any] = {"action": action}
+        if probability < 1:
+            spec.update(probability=probability, seed=seed if seed is not None else 0)
+        if count is not None:
+            spec["count"] = count
+        if plugin == "environment":
+            record = self.failpoint("environment.call", spec, "driver", expect="absorbed")
+            record = _replace(record, target="erlay/rollout/coordinator", domain="rollout")
+        else:
+            record = self.failpoint("judge.user_code", spec, "erlay/judge/host@*",
+                                    expect="absorbed")
+        self.records[-1] = record = _replace(record, kind="user_error",
+                                             detail=f"{plugin} {mode} {spec}")
+        return record
+
+    def partial(self, pattern: str, fraction: float, seed: int = 0) -> FaultRecord:
+        """A judge or sandbox that fails ``fraction`` of its calls at random: the judge's
+        code raises, or the sandbox fails the run (``sandbox.exec`` corrupt: an
+        infrastructure failure of that run)."""
+        spec = {"probability": fraction, "seed": seed}
+        if pattern.startswith("erlay/judge/"):
+            record = self.failpoint("judge.user_code", {"action": "raise", **spec}, pattern,
+                                    expect="absorbed")
+        else:
+            record = self.failpoint("sandbox.exec", {"action": "corrupt", **spec}, pattern,
+                                    expect="absorbed")
+        self.records[-1] = record = _replace(record, kind="partial")
+        return record
+
     def sandbox_attack(self, attack: str, code: str) -> FaultRecord:
         """Run hostile code as a tool call through the job's own sandbox client: the worker
         must turn it into a typed result and survive."""
@@ -227,6 +287,20 @@ def _holds_phase(snapshot: dict[str, Any], path: str, phase: str) -> bool:
 
     row = find(snapshot["children"], snapshot["path"])
     return row is not None and busy(row)
+
+
+def _hosted(path: str) -> tuple[str, str] | None:
+    """``(host path, child id)`` for a path below a host (``.../host@node-0/proc-1``)."""
+    parts = path.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("host@"):
+            return "/".join(parts[:i + 1]), parts[-1]
+    return None
+
+
+def _replace(record: FaultRecord, **changes: Any) -> FaultRecord:
+    import dataclasses
+    return dataclasses.replace(record, **changes)
 
 
 def _sigcont(pid: int) -> None:

@@ -37,7 +37,7 @@ DETECTION_SKEW_S = 1.0
 INTENSITY_SLACK_S = 0.25
 DEFAULT_REWARD_TOLERANCE = 0.1
 END_EXPECTATIONS = ("finished", "escalation")
-STATUSES = ("finished", "failed", "timeout")
+STATUSES = ("finished", "failed", "stalled")
 
 _ROLLOUT_ID = re.compile(r"^r(\d+)-")  # f"r{step:05d}-g{group:03d}-{k}"
 _DETECTING = (EventKind.EXIT, EventKind.HANG)
@@ -79,7 +79,9 @@ class RunObservation:
     - ``intensity``: supervisor path -> (restart intensity, period in seconds), for every
       supervisor whose flags are known.
     - ``orphans``: processes the run left behind, each ``{"pid": int, "cmdline": str}``.
-    - ``status``: how the run ended: ``finished``, ``failed`` or ``timeout``.
+    - ``status``: how the run ended: ``finished``, ``failed`` or ``stalled`` (stopped at the
+      scenario's duration bound).
+    - ``not_injected``: each scheduled fault that could not be injected, with the reason.
     - ``offender``: for a failed run, the tree path the root named as the offender.
     - ``started_at``: unix time the job started (a metric's ``time`` counts from it), or
       None when unknown.
@@ -98,6 +100,7 @@ class RunObservation:
     status: str = "finished"
     offender: str | None = None
     started_at: float | None = None
+    not_injected: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -128,7 +131,8 @@ def distinct_steps(metrics: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def final_reward(metrics: Iterable[dict[str, Any]]) -> float | None:
     """Mean ``reward_mean`` over the last 10% of distinct RL steps (at least one); None
     without any RL step."""
-    rewards = [float(m["reward_mean"]) for m in distinct_steps(metrics)]
+    rewards = [float(m["reward_mean"]) for m in distinct_steps(metrics)
+               if m.get("reward_mean") is not None]
     return reward_window(rewards, 0.1)[1] if rewards else None
 
 
@@ -503,13 +507,40 @@ def expected_end(obs: RunObservation, expect_end: str = "finished",
 
 INVARIANTS = ("no_rollout_lost", "no_duplicate_consumption", "staleness_within_bound",
               "replay_identical", "faults_detected", "restart_intensity_respected",
-              "no_orphans", "reward_within_tolerance", "expected_end")
+              "no_orphans", "reward_within_tolerance", "expected_end", "faults_injected",
+              "samples_judged")
+
+
+def faults_injected(obs: RunObservation) -> Verdict:
+    """Every scheduled fault was injected: a scenario whose faults never landed proves
+    nothing, so it fails rather than passes."""
+    name = "faults_injected"
+    if obs.not_injected:
+        return Verdict(name, False, f"{len(obs.not_injected)} fault(s) not injected: "
+                                    + _few(obs.not_injected, 3))
+    return Verdict(name, True, f"all {len(obs.faults)} fault(s) injected")
+
+
+def samples_judged(obs: RunObservation, min_share: float = 0.95) -> Verdict:
+    """At least ``min_share`` of the trained steps' samples were judged (a judge that fails
+    some calls is retried and circuit-broken per worker, not allowed to knock out the
+    healthy calls)."""
+    name = "samples_judged"
+    steps = distinct_steps(obs.metrics)
+    samples = sum(int(m.get("samples", 0)) for m in steps)
+    if not samples:
+        return Verdict(name, False, "no RL step reported any sample")
+    marked = sum(int(m.get("judge_marked", 0)) for m in steps)
+    share = 1 - marked / samples
+    return Verdict(name, share >= min_share, f"{samples - marked} of {samples} samples judged "
+                                             f"({share:.1%}; at least {min_share:.0%} needed)")
 
 
 def check_all(obs: RunObservation, *, fault_free: RunObservation | None = None,
               tolerance: float = DEFAULT_REWARD_TOLERANCE, expect_end: str = "finished",
               offender_pattern: str | None = None, selected: list[str] | None = None,
-              window_s: float = DETECTION_WINDOW_S) -> list[Verdict]:
+              window_s: float = DETECTION_WINDOW_S,
+              min_judged_share: float = 0.95) -> list[Verdict]:
     """Every invariant (or those named in ``selected``), in :data:`INVARIANTS` order.
 
     Raises ValueError for a name in ``selected`` that is no invariant, so a typo in a
@@ -525,6 +556,8 @@ def check_all(obs: RunObservation, *, fault_free: RunObservation | None = None,
         "no_orphans": lambda: no_orphans(obs),
         "reward_within_tolerance": lambda: reward_within_tolerance(obs, fault_free, tolerance),
         "expected_end": lambda: expected_end(obs, expect_end, offender_pattern),
+        "faults_injected": lambda: faults_injected(obs),
+        "samples_judged": lambda: samples_judged(obs, min_judged_share),
     }
     if selected is not None:
         unknown = [n for n in selected if n not in checks]

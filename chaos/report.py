@@ -144,7 +144,7 @@ def _recovery_by_kind(faults: list[dict[str, Any]]) -> dict[str, Any]:
 
 def build_report(scenario_name: str, obs: RunObservation, verdicts: list[Verdict], *,
                  baselines: dict[str, dict[str, Any]] | None = None,
-                 window_s: float = DETECTION_WINDOW_S) -> dict[str, Any]:
+                 window_s: float = DETECTION_WINDOW_S, reason: str = "") -> dict[str, Any]:
     """The chaos report of one run, as JSON-able data.
 
     ``baselines`` maps a name to another run's figures, at least ``{"goodput": x}`` (e.g.
@@ -171,6 +171,10 @@ def build_report(scenario_name: str, obs: RunObservation, verdicts: list[Verdict
     for name, base in sorted((baselines or {}).items()):
         theirs = base.get("goodput")
         good[f"goodput_vs_{name}"] = rate / theirs if theirs else None
+    marked = sum(int(m.get("judge_marked", 0)) for m in obs.rl_steps())
+    judged = {"samples": samples, "judge_failed": marked,
+              "user_errors": sum(int(m.get("user_errors", 0)) for m in obs.rl_steps()),
+              "share": (1 - marked / samples) if samples else None}
     return {
         "scenario": scenario_name,
         "status": obs.status,
@@ -179,6 +183,9 @@ def build_report(scenario_name: str, obs: RunObservation, verdicts: list[Verdict
         "wall_s": obs.wall_s,
         "started_at": obs.started_at,
         "steps_trained": obs.steps_trained,
+        "reason": reason,
+        "not_injected": list(obs.not_injected),
+        "judged": judged,
         "faults": faults,
         "detected": {"count": len(detected), "faults": detected},
         "recovered": {"count": len(recovered), "faults": recovered},
@@ -219,11 +226,19 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"- result: **{overall}** ({counts['PASS']} passed, {counts['FAIL']} failed, "
              f"{counts['SKIP']} skipped)",
              f"- run status: {report['status']}"
-             + (f" (offender {report['offender']})" if report["offender"] else ""),
+             + (f" (offender {report['offender']})" if report["offender"] else "")
+             + (f": {report['reason']}" if report.get("reason") else ""),
              f"- RL steps trained: {report['steps_trained']}",
              f"- wall time: {report['wall_s']:.1f} s",
              f"- faults: {len(report['faults'])} injected, {report['detected']['count']} "
-             f"detected, {report['recovered']['count']} recovered", ""]
+             f"detected, {report['recovered']['count']} recovered"
+             + (f"; **not injected**: {'; '.join(report['not_injected'])}"
+                if report.get("not_injected") else ""), ""]
+    judged = report.get("judged") or {}
+    if judged.get("share") is not None:
+        lines.insert(-1, f"- samples judged: {judged['share']:.1%} of {judged['samples']} "
+                         f"({judged['judge_failed']} judge-failed, {judged['user_errors']} "
+                         "failed by user code)")
 
     # Injection times relative to the job's start, else to the first fault.
     faults = report["faults"]

@@ -11,6 +11,13 @@
    looks for processes the job left behind, and writes ``chaos-report.json`` and
    ``chaos-report.md`` into the chaos run's directory.
 
+A fault that could not be injected (its target was gone, the job ended first) fails the
+``faults_injected`` invariant.  A job that stops making progress is stopped at the
+scenario's duration bound and reported as ``stalled``, with its last progress: the report
+is always written.  Orphans are counted only among the processes this run started: the
+runner watches the descendants of this process, their sessions and process groups, while
+the run lasts (:class:`ProcessWatch`); other work on the machine never counts.
+
 A driver kill cannot be injected into this process; that scenario runs the job as an
 ``erlay run`` subprocess, SIGKILLs it and resumes it with ``--resume``.
 """
@@ -29,8 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from erlay.actors.config import JobConfig, load_config
 from erlay.actors.job.driver import Job, JobResult
 from erlay.actors.journal.store import Journal
@@ -39,6 +44,7 @@ from erlay.actors.rundir import RunDir
 from erlay.chaos.faults import FaultRecord
 from erlay.chaos.injectors import FAILPOINT_HOMES, Injector
 from erlay.chaos.invariants import RunObservation, Verdict, check_all
+from erlay.chaos.processes import ProcessWatch
 from erlay.chaos.report import build_report, goodput, write_report
 from erlay.chaos.scenario import ATTACKS, FaultSpec, Scenario, schedule
 from erlay.supervisor import failpoints
@@ -47,7 +53,6 @@ from erlay.supervisor.raylocal import shutdown_ray
 
 log = logging.getLogger("erlay.chaos")
 ROOT = Path(__file__).resolve().parents[1]
-ORPHAN_GRACE_S = 15.0
 
 
 @dataclass
@@ -56,12 +61,13 @@ class RunOutcome:
 
     name: str
     run_dir: RunDir
-    status: str                       # finished | failed | timeout
+    status: str                       # finished | failed | stalled
     reason: str
     wall_s: float
     observation: RunObservation
     faults: list[FaultRecord] = field(default_factory=list)
     attack_results: list[dict[str, Any]] = field(default_factory=list)
+    not_injected: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -108,10 +114,12 @@ def run_scenario(scenario: Scenario, *, config: Path | None = None,
     clean = baselines.get("fault_free")
     verdicts = check_all(run.observation, fault_free=clean.observation if clean else None,
                          tolerance=scenario.reward_tolerance, expect_end=scenario.expect,
-                         offender_pattern=scenario.offender, selected=list(scenario.invariants))
+                         offender_pattern=scenario.offender, selected=list(scenario.invariants),
+                         min_judged_share=scenario.min_judged_share)
     summary = {name: {"goodput": goodput(b.observation.metrics, b.wall_s), "wall_s": b.wall_s,
                       "status": b.status} for name, b in baselines.items()}
-    report = build_report(scenario.name, run.observation, verdicts, baselines=summary)
+    report = build_report(scenario.name, run.observation, verdicts, baselines=summary,
+                          reason=run.reason if run.status != "finished" else "")
     report["attack_results"] = run.attack_results
     paths = write_report(run.run_dir.path, report)
     return ChaosResult(scenario.name, run, verdicts, report, paths, baselines)
@@ -129,7 +137,7 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
     cfg = job_config(scenario, config, parent, extra)
     env_faults = {f.target: f.params["spec"] for f in scenario.faults
                   if inject and f.inject == "failpoint" and f.params.get("scope") == "env"}
-    before = _process_snapshot()
+    watch = ProcessWatch().start()
     if env_faults:
         # Armed in every process of the job from its first instruction (a crash loop): a
         # job-level runtime env reaches every Ray worker; the driver stays unarmed.
@@ -157,18 +165,28 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
             injector._record("failpoint", home, _expect(spec),
                              f"{spec.target} {json.dumps(spec.params['spec'])}, from start")
     status = "finished"
+    not_injected: list[str] = []
+    stalled = ""
     try:
         deadline = _wait_for_rl(job, thread, scenario.duration_s)
         if inject:
-            _inject_on_schedule(scenario, injector, job, thread, deadline, cluster)
+            not_injected = _inject_on_schedule(scenario, injector, job, thread, deadline,
+                                               cluster)
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            status = "timeout"
-            log.error("chaos: %s did not end within %.0f s; stopping it", name,
-                      scenario.duration_s)
+            status = "stalled"
+            stalled = _last_progress(job, scenario.duration_s)
+            log.error("chaos: %s did not end within %.0f s (%s); stopping it", name,
+                      scenario.duration_s, stalled)
             if job.tree is not None:
-                job.tree.stop()
+                job.tree.stop()   # bounded: it kills what does not stop
             thread.join(120)
+    except Exception as exc:
+        log.exception("chaos: %s failed in the runner", name)
+        status, stalled = "stalled", f"the runner failed: {exc!r}"
+        if job.tree is not None:
+            job.tree.stop()
+        thread.join(120)
     finally:
         injector.close()
         if cluster is not None:  # the cluster owns its nodes' processes: it ends them
@@ -179,18 +197,18 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
             shutdown_ray()
     wall_s = time.time() - started
     result = results[0] if results else None
-    reason = ""
+    reason = stalled
     if isinstance(result, JobResult):
-        status = status if status == "timeout" else result.status
-        reason = result.reason
-    elif result is not None:
+        status = status if status == "stalled" else result.status
+        reason = stalled or result.reason
+    elif result is not None and not stalled:
         status, reason = "failed", repr(result)
-    orphans = _orphans(before)
+    orphans = watch.orphans()
     observation = _observe(cfg, job.run_dir, memory, injector.records, wall_s, status,
                            result.offender if isinstance(result, JobResult) else None, orphans,
-                           started_at=job._t0)
+                           started_at=job._t0, not_injected=not_injected)
     return RunOutcome(name, job.run_dir, status, reason, wall_s, observation,
-                      list(injector.records), list(injector.attack_results))
+                      list(injector.records), list(injector.attack_results), not_injected)
 
 
 def _expect(spec: FaultSpec) -> str:
@@ -210,13 +228,15 @@ def _wait_for_rl(job: Job, thread: threading.Thread, duration_s: float) -> float
 
 def _inject_on_schedule(scenario: Scenario, injector: Injector, job: Job,
                         thread: threading.Thread, deadline: float,
-                        cluster: Any = None) -> None:
+                        cluster: Any = None) -> list[str]:
     """Fire the timed faults at their offsets from now (the first RL step) and the
     ``at_step`` faults once the job has reported that many RL steps, until the job ends or
-    the deadline passes."""
+    the deadline passes.  Returns what could not be injected: a fault whose injection
+    failed, and each firing the job ended (or the deadline came) before."""
     t0 = time.monotonic()
     timed = list(schedule(list(scenario.faults), scenario.duration_s))
     stepped = scenario.step_schedule()
+    failed: list[str] = []
     while (timed or stepped) and thread.is_alive() and time.monotonic() < deadline:
         due: list[int] = []
         while timed and time.monotonic() >= t0 + timed[0][0]:
@@ -224,21 +244,43 @@ def _inject_on_schedule(scenario: Scenario, injector: Injector, job: Job,
         if stepped and len(job.run_dir.rl_steps()) >= stepped[0][0]:
             due.append(stepped.pop(0)[1])
         for index in due:
-            _fire(scenario.faults[index], injector, cluster)
+            problem = _fire(scenario.faults[index], injector, cluster)
+            if problem is not None:
+                failed.append(f"faults.{index} ({scenario.faults[index].inject} "
+                              f"{scenario.faults[index].target}): {problem}")
         if not due:
             time.sleep(0.02 if not stepped else 0.05)
+    for _, index in [*timed, *((i, j) for i, j in stepped)]:
+        fault = scenario.faults[index]
+        if fault.params.get("scope") != "env":
+            failed.append(f"faults.{index} ({fault.inject} {fault.target}): never fired, "
+                          "the job ended first")
+    return failed
 
 
-def _fire(spec: FaultSpec, injector: Injector, cluster: Any) -> None:
+def _fire(spec: FaultSpec, injector: Injector, cluster: Any) -> str | None:
+    """Inject one fault; the reason it could not be injected, or None."""
     if spec.params.get("scope") == "env":
-        return  # armed at process start
+        return None  # armed at process start
     try:
         if spec.inject == "node_loss":
             injector.node_loss(cluster)
-            return
+            return None
         inject_one(injector, spec)
-    except Exception as exc:  # noqa: BLE001 - a target between incarnations: skip it
+    except Exception as exc:  # noqa: BLE001 - a target between incarnations: a failed injection
         log.warning("chaos: could not inject %s into %s: %s", spec.inject, spec.target, exc)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _last_progress(job: Job, duration_s: float) -> str:
+    """What a stalled run did last: its last RL step, or phase, and how long ago."""
+    last = job.last_metrics or {}
+    when = time.time() - job._t0 - float(last.get("time", 0.0))
+    where = (f"RL step {last['step']}" if "step" in last else
+             f"phase {last.get('phase', 'start-up')}")
+    return (f"stalled: no end within the {duration_s:g} s bound; last progress: {where}, "
+            f"{when:.0f} s before the stop")
 
 
 def inject_one(injector: Injector, spec: FaultSpec) -> FaultRecord:
@@ -264,6 +306,18 @@ def inject_one(injector: Injector, spec: FaultSpec) -> FaultRecord:
                     where, expect="absorbed")
             return injector.failpoint("judge.score", {"action": mode, "count": int(
                 params.get("count") or 1)}, where, expect=expect)
+        case "delay":
+            from erlay.chaos.params import DELAY_SITES
+            site = params.get("site") or DELAY_SITES[spec.domain]
+            return injector.delay(spec.target, site, float(params["delay_s"]),
+                                  params.get("count"), params.get("probability"))
+        case "user_error":
+            return injector.user_error(spec.target, params["mode"],
+                                       float(params.get("probability", 1.0)),
+                                       params.get("count"), params.get("seed"))
+        case "partial":
+            return injector.partial(spec.target, float(params["fraction"]),
+                                    int(params.get("seed", 0)))
         case "slow_checkpoint":
             return injector.failpoint("learner.checkpoint", {
                 "action": "delay", "delay_s": float(params["delay_s"]),
@@ -310,7 +364,7 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
             str(config or scenario.config_path),
             *scenario.overrides, f"run.run_dir={parent / f'{scenario.name}-{name}'}",
             "--no-progress"]
-    before = _process_snapshot()
+    watch = ProcessWatch().start()
     started = time.time()
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -337,7 +391,7 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
             memory.record(_consumed(rid, step))
         dispatched = set(journal.state.consumed) | set(journal.state.rollouts)
     observation = _observe(cfg, run_dir, memory, records, wall_s, status, None,
-                           _orphans(before), dispatched=dispatched)
+                           watch.orphans(), dispatched=dispatched)
     return RunOutcome(name, run_dir, status, resumed.stderr[-2000:], wall_s, observation,
                       records)
 
@@ -361,7 +415,8 @@ def _consumed(rid: str, step: int) -> Any:
 def _observe(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions,
              faults: list[FaultRecord], wall_s: float, status: str, offender: str | None,
              orphans: list[dict[str, Any]], dispatched: set[str] | None = None,
-             started_at: float | None = None) -> RunObservation:
+             started_at: float | None = None,
+             not_injected: list[str] | None = None) -> RunObservation:
     events = read_events(run_dir.events) if run_dir.events.exists() else []
     metrics = run_dir.read_metrics()
     sup = cfg.supervision
@@ -378,40 +433,6 @@ def _observe(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions,
                           dispatched_ids=dispatched, steps_trained=len(steps), faults=faults,
                           wall_s=wall_s, max_staleness=cfg.rollout.max_staleness,
                           intensity=intensity, orphans=orphans, status=status,
-                          offender=offender, started_at=started_at)
-
-
-def _process_snapshot() -> set[int]:
-    return set(psutil.pids())
-
-
-def _orphans(before: set[int]) -> list[dict[str, Any]]:
-    """Processes that appeared during the run and outlived it (after a grace period): the
-    job's own, since everything else on the machine existed before or belongs to us."""
-    me = psutil.Process()
-    ours = {p.pid for p in me.children(recursive=True)} | {me.pid}
-    deadline = time.monotonic() + ORPHAN_GRACE_S
-    while True:
-        left = []
-        for pid in set(psutil.pids()) - before - ours:
-            try:
-                proc = psutil.Process(pid)
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                left.append({"pid": pid, "cmdline": " ".join(proc.cmdline())[:200],
-                             "uid": proc.uids().real})
-            except psutil.Error:
-                continue
-        left = [p for p in left if _is_jobs(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
-
-
-def _is_jobs(proc: dict[str, Any]) -> bool:
-    """A process this job could have started: Ray's, a Python worker of this install, or a
-    sandbox run (its own uid)."""
-    cmd = proc["cmdline"]
-    return ("ray" in cmd or sys.executable in cmd or "python" in cmd
-            or proc.get("uid", 0) >= 60000)
+                          offender=offender, started_at=started_at,
+                          not_injected=list(not_injected or []))
 

@@ -32,12 +32,11 @@ from __future__ import annotations
 import fnmatch
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -48,6 +47,25 @@ from pydantic_core import PydanticKnownError
 
 from erlay import configs
 from erlay.actors.config import ConfigError, JobConfig, load_config
+from erlay.chaos.params import (
+    _PARAMS,
+    ATTACKS,
+    INJECT_DOMAINS,
+    INVARIANTS,
+    PHASES,
+    PLUGINS,
+    SMOKE_MAX_DURATION_S,
+    Attack,
+    Baseline,
+    CountBounds,
+    Expect,
+    FailpointParams,
+    Inject,
+    Invariant,
+    RandomTiming,
+    _Model,
+    default_expect,
+)
 from erlay.chaos.scenario_errors import (
     NOTHING,
     Problem,
@@ -71,160 +89,14 @@ ROOT = "erlay"
 REPO_ROOT = Path(configs.__file__).resolve().parent.parent
 SCENARIO_DIR = Path(configs.__file__).resolve().parent / "chaos"
 
-Inject = Literal["sigkill", "sigstop", "sigterm", "ray_kill", "node_loss", "failpoint",
-                 "sandbox_attack", "judge_fault", "slow_checkpoint", "driver_kill"]
-Expect = Literal["restart", "absorbed", "escalation"]
-Invariant = Literal["no_rollout_lost", "no_duplicate_consumption", "staleness_within_bound",
-                    "replay_identical", "faults_detected", "restart_intensity_respected",
-                    "no_orphans", "reward_within_tolerance", "expected_end"]
-Baseline = Literal["fault_free", "job_restart"]
-Attack = Literal["endless_loop", "fork_bomb", "memory_hog", "disk_fill", "output_flood",
-                 "kill_parent"]
-INVARIANTS: tuple[str, ...] = get_args(Invariant)
-SMOKE_MAX_DURATION_S = 90.0  # each smoke scenario's share of the CI smoke budget
-
-# Hostile code a sandbox_attack submits as a tool call.  Each must end in a typed result
-# (timeout, memory, output limit, ...) with the worker and its host alive.
-ATTACKS: dict[str, str] = {
-    "endless_loop": "while True:\n    pass\n",
-    "fork_bomb": (
-        "import os\n"
-        "while True:\n"
-        "    try:\n"
-        "        os.fork()\n"
-        "    except OSError:\n"
-        "        pass\n"),
-    "memory_hog": (
-        "hog = []\n"
-        "for _ in range(10):\n"
-        "    hog.append(b'x' * (1 << 30))  # 10 GiB in all, every page written\n"),
-    "disk_fill": (
-        "block = b'\\0' * (1 << 20)\n"
-        "with open('fill.bin', 'wb') as f:\n"
-        "    while True:\n"
-        "        f.write(block)\n"),
-    "output_flood": "while True:\n    print('x' * 1000)\n",
-    "kill_parent": "import os\nos.kill(os.getppid(), 9)\n",
-}
-
-# Which tree domains each process-level inject may hit.  The rollout domain runs in the
-# driver (the coordinator is in-process), so a signal there is a driver kill: use
-# driver_kill, or the rollout.dispatch failpoint for a coordinator crash.
-_INJECT_DOMAINS: dict[str, tuple[str, ...]] = {
-    "sigkill": ("learner", "generation", "sandbox", "judge"),
-    "sigstop": ("learner", "generation", "sandbox", "judge"),
-    "sigterm": ("learner", "generation", "sandbox", "judge"),
-    "ray_kill": ("learner", "generation", "sandbox", "judge"),
-    "sandbox_attack": ("sandbox",),
-    "judge_fault": ("judge",),
-    "slow_checkpoint": ("learner",),
-}
-# Progress phases a signal may wait for (``params.during``), by domain: the phases whose
-# deadlines the job arms (actors/job.py) plus the engine's weight update.
-PHASES: dict[str, tuple[str, ...]] = {
-    "generation": ("decode_step", "weight_update"),
-    "learner": ("train_step",),
-    "sandbox": ("tool_call",),
-    "judge": ("judge_call",),
-}
 _TREE_PATH = re.compile(rf"^{ROOT}/([^/*?\[\]]+)/([^/]+)$")
 _WORKER_NODE = re.compile(r"^worker-(\d+|[*?\[\]0-9-]+)$")
 
 
 # -------------------------------------------------------------------- the schema
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-
-class RandomTiming(_Model):
-    rate_per_s: float = Field(gt=0, description="mean firings per second")
-    seed: int = Field(description="seed of the arrival times: a seed gives one schedule")
-
-
-class CountBounds(_Model):
-    min: int = Field(0, ge=0, description="fewest firings within duration_s (checked at load)")
-    max: int | None = Field(None, ge=1, description="most firings; required for every/random")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> CountBounds:
-        if self.max is not None and self.max < self.min:
-            raise invalid([(("max",), f"expected max >= min ({self.min})", self.max)])
-        return self
-
-
 class MultiNode(_Model):
     nodes: int = Field(ge=2, description="Ray nodes: the head (the driver's) and nodes - 1 "
                        "workers, worker-1 ...; node_loss may remove workers only")
-
-
-class SignalParams(_Model):
-    during: str | None = Field(None, description="wait until the target holds work in this "
-                               "progress phase, then inject (e.g. decode_step, tool_call)")
-
-
-class SigstopParams(SignalParams):
-    stop_s: float | None = Field(gt=0, description="SIGCONT after this long; null: never, a "
-                                 "hang for the target's progress deadline to find")
-
-
-class FailpointParams(_Model):
-    spec: dict[str, Any] = Field(description="an erlay.supervisor.failpoints.FailpointSpec")
-    in_: str | None = Field(None, alias="in", description="where to arm it: a tree path or "
-                            "glob (every match), or 'driver'; default: where its code runs")
-    scope: Literal["remote", "env"] = Field("remote", description="remote: armed in the "
-                                            "running processes at the firing time; env: "
-                                            "armed in every process from its start (at: 0)")
-
-    @field_validator("spec")
-    @classmethod
-    def _valid_spec(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return FailpointSpec.from_dict(value).to_dict()
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"expected a failpoint spec ({exc})") from None
-
-
-class SandboxAttackParams(_Model):
-    attack: Attack = Field(description="which payload of ATTACKS to run as a tool call")
-
-
-class JudgeFaultParams(_Model):
-    mode: Literal["raise", "hang", "garbage"] = Field(description="how the judge misbehaves")
-    count: int | None = Field(None, ge=1, description="judgements affected (runner default)")
-
-
-class SlowCheckpointParams(_Model):
-    delay_s: float = Field(gt=0, description="extra seconds each affected save takes")
-    count: int | None = Field(None, ge=1, description="saves affected (runner default)")
-
-
-_PARAMS: dict[str, type[_Model]] = {
-    "sigkill": SignalParams, "sigterm": SignalParams, "ray_kill": SignalParams,
-    "sigstop": SigstopParams, "node_loss": _Model, "driver_kill": _Model,
-    "failpoint": FailpointParams, "sandbox_attack": SandboxAttackParams,
-    "judge_fault": JudgeFaultParams, "slow_checkpoint": SlowCheckpointParams,
-}
-
-
-def default_expect(inject: str, params: dict[str, Any]) -> Expect:
-    """What a fault's ``expect`` is when the scenario does not say, from its kind and params.
-
-    Absorbed faults leave no restart behind: hostile code ends as a sandbox result, a garbage
-    verdict is a marked sample, a short pause or a delay only slows the job, and a killed
-    driver is no child of any supervisor (``--resume`` must carry on).
-    """
-    match inject:
-        case "sigkill" | "sigterm" | "ray_kill" | "node_loss":
-            return "restart"
-        case "sigstop":
-            return "restart" if params.get("stop_s") is None else "absorbed"
-        case "failpoint":
-            return "absorbed" if params["spec"]["action"] in ("delay", "corrupt") else "restart"
-        case "judge_fault":
-            return "absorbed" if params["mode"] == "garbage" else "restart"
-        case "sandbox_attack" | "slow_checkpoint" | "driver_kill":
-            return "absorbed"
-    raise AssertionError(f"no default expectation for {inject!r}")
 
 
 class FaultSpec(_Model):
@@ -270,8 +142,12 @@ class FaultSpec(_Model):
             case "driver_kill":
                 if value != "driver":
                     raise ValueError("expected 'driver'")
+            case "user_error":
+                if value not in PLUGINS:
+                    raise ValueError(f"expected the plug-in whose code fails, one of "
+                                     f"{', '.join(PLUGINS)}")
             case _:
-                _check_tree_path(value, _INJECT_DOMAINS[inject])
+                _check_tree_path(value, INJECT_DOMAINS[inject])
         return value
 
     @field_validator("params", mode="before")
@@ -323,7 +199,7 @@ class FaultSpec(_Model):
             problems.append((("at",), "required for driver_kill: one kill, then --resume",
                              NOTHING))
         during = self.params.get("during")
-        if during is not None and self.inject in _INJECT_DOMAINS:
+        if during is not None and self.inject in INJECT_DOMAINS:
             phases = PHASES[_domain_of(self.target)]
             if during not in phases:
                 problems.append((("params", "during"), f"expected a phase of that domain, one "
@@ -343,6 +219,8 @@ class FaultSpec(_Model):
                 return "node"
             case "driver_kill":
                 return "driver"
+            case "user_error":
+                return PLUGINS[self.target]
             case "failpoint":
                 where = self.params.get("in")
                 if where is not None:
@@ -370,6 +248,8 @@ class Scenario(_Model):
     invariants: tuple[Invariant, ...] = INVARIANTS  # type: ignore[assignment]
     reward_tolerance: float = Field(0.15, ge=0, description="allowed final-reward gap to "
                                     "the fault-free baseline")
+    min_judged_share: float = Field(0.95, gt=0, le=1, description="samples_judged: the share "
+                                    "of samples that must still be judged")
     expect: Literal["finished", "escalation"] = "finished"
     offender: str | None = Field(None, min_length=1, description="glob the escalation's "
                                  "offender must match")
@@ -541,7 +421,7 @@ def _fault_sites(fault: FaultSpec, paths: list[str], workers: list[str]
                          fault.inject)]
             if not matches(fault.target, workers):
                 return [(("target",), f"expected one of {', '.join(workers)}", fault.target)]
-        case "driver_kill":
+        case "driver_kill" | "user_error":
             pass
         case "failpoint":
             where = fault.params.get("in")

@@ -132,8 +132,12 @@ class SandboxWorker:
         try:
             async with self._one_at_a_time:
                 self.progress.begin(PHASE, work=req.key)
-                await afailpoint("sandbox.exec")
-                result = await run_in_sandbox(req, self.limits, slot=self.slot)
+                if await afailpoint("sandbox.exec"):  # chaos: this run fails to start
+                    result = SandboxResult(req.key, Outcome.SPAWN_FAILED, None, None, "", "",
+                                           False, False, 0.0, "none",
+                                           "failpoint sandbox.exec: the run did not start")
+                else:
+                    result = await run_in_sandbox(req, self.limits, slot=self.slot)
         finally:
             del self._in_flight[req.key]
             self._progress_after_run()

@@ -11,6 +11,7 @@ from erlay.chaos.invariants import (
     check_all,
     expected_end,
     faults_detected,
+    faults_injected,
     final_reward,
     match_fault,
     no_duplicate_consumption,
@@ -20,6 +21,7 @@ from erlay.chaos.invariants import (
     restart_intensity_respected,
     reward_within_tolerance,
     rollout_step,
+    samples_judged,
     staleness_within_bound,
 )
 from erlay.supervisor.events import EventKind, SupervisorEvent
@@ -354,7 +356,7 @@ def test_reward_within_tolerance_passes_and_fails() -> None:
 
 def test_expected_end() -> None:
     assert expected_end(RunObservation()).ok is True
-    assert expected_end(RunObservation(status="timeout")).ok is False
+    assert expected_end(RunObservation(status="stalled")).ok is False
     failed = RunObservation(status="failed", offender="erlay/generation/engine-1")
     assert expected_end(failed, "escalation", "erlay/generation/*").ok is True
     assert expected_end(failed, "escalation", "erlay/learner/*").ok is False
@@ -382,3 +384,20 @@ def test_a_domain_ending_with_the_job_does_not_break_an_absorbed_fault() -> None
     attack = fault("erlay/sandbox/host@node-0", kind="sandbox_attack", expect="absorbed")
     end = ev("erlay", "rollout", EventKind.EXIT, T0 + 2, "shutdown: auto_shutdown")
     assert faults_detected(RunObservation(faults=[attack], events=[end])).ok is True
+
+
+def test_a_fault_that_could_not_be_injected_fails_the_run() -> None:
+    assert faults_injected(RunObservation(faults=[fault()])).ok is True
+    planted = RunObservation(faults=[], not_injected=[
+        "faults.0 (sigkill erlay/generation/engine-*): LookupError: no running child"])
+    verdict = faults_injected(planted)
+    assert verdict.ok is False and "LookupError" in verdict.detail
+
+
+def test_samples_judged_holds_at_the_share_and_fails_below_it() -> None:
+    good = RunObservation(metrics=[rl(0, samples=100, judge_marked=4)])
+    assert samples_judged(good, 0.95).ok is True
+    planted = RunObservation(metrics=[rl(0, samples=100, judge_marked=24)])
+    verdict = samples_judged(planted, 0.95)
+    assert verdict.ok is False and "76 of 100 samples judged" in verdict.detail
+    assert samples_judged(RunObservation(), 0.95).ok is False  # nothing to judge by

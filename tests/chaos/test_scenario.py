@@ -28,7 +28,7 @@ REQUIRED = ("engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
             "engine-hang", "sandbox-host-lost", "node-loss", "driver-kill-resume",
             "crash-loop")
 SMOKE = {"engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
-         "coordinator-crash", "crash-loop"}
+         "coordinator-crash", "crash-loop", "host-sigstop", "env-user-error"}
 LEARNER_KILL = {"inject": "sigkill", "target": "erlay/learner/learner-0", "at": 1}
 
 
@@ -306,3 +306,27 @@ def test_an_unsatisfiable_count_min_names_the_fault() -> None:
     with pytest.raises(ScenarioError, match=r"faults\.1\.count\.min: count\.min 5 cannot fit "
                                             r"in duration 60 s"):
         schedule(faults, 60)
+
+
+# ------------------------------------------------------------- faults nobody scripted
+def test_user_error_targets_a_plugin_and_defaults_to_absorbed() -> None:
+    spec = FaultSpec.model_validate({"inject": "user_error", "target": "judge", "at": 1,
+                                     "params": {"mode": "hang", "count": 2}})
+    assert spec.expect == "absorbed" and spec.domain == "judge"
+    assert FaultSpec.model_validate({"inject": "user_error", "target": "environment", "at": 1,
+                                     "params": {"mode": "raise"}}).domain == "rollout"
+    with pytest.raises(ValueError, match="environment, judge"):
+        FaultSpec.model_validate({"inject": "user_error", "target": "sandbox", "at": 1,
+                                  "params": {"mode": "raise"}})
+
+
+def test_delay_and_partial_validate_their_params() -> None:
+    delay = FaultSpec.model_validate({"inject": "delay", "target": "erlay/generation/engine-0",
+                                      "at": 1, "params": {"delay_s": 0.1}})
+    assert delay.expect == "absorbed" and delay.params["site"] is None
+    with pytest.raises(ValueError, match="failpoint name"):
+        FaultSpec.model_validate({"inject": "delay", "target": "erlay/learner/learner-0",
+                                  "at": 1, "params": {"delay_s": 0.1, "site": "nope"}})
+    with pytest.raises(ValueError, match="fraction"):
+        FaultSpec.model_validate({"inject": "partial", "target": "erlay/judge/host@*", "at": 1,
+                                  "params": {"fraction": 1.5}})

@@ -1,4 +1,5 @@
-"""The chaos smoke subset, as CI runs it: one scenario per fault domain plus the escalation.
+"""The chaos smoke subset, as CI runs it: one scenario per fault domain plus the escalation,
+a host frozen by SIGSTOP, and user code that fails.
 
 Each scenario runs its job on a real local Ray with its faults injected, then checks its
 invariants from the journal and the events; the fault-free baselines are skipped here (the
@@ -32,6 +33,13 @@ def test_the_smoke_subset_covers_every_domain_and_an_escalation() -> None:
     domains = {f.domain for s in scenarios for f in s.faults}
     assert {"generation", "learner", "sandbox", "judge", "rollout"} <= domains
     assert any(s.expect == "escalation" for s in scenarios)
+
+
+def test_the_smoke_subset_freezes_a_host_and_breaks_user_code() -> None:
+    faults = [f for name in SMOKE for f in load_scenario(name).faults]
+    assert any(f.inject == "sigstop" and "/host@" in f.target and f.params["stop_s"] is None
+               for f in faults)
+    assert any(f.inject == "user_error" for f in faults)
 
 
 @pytest.mark.parametrize("name", SMOKE)
