@@ -15,6 +15,13 @@ from typing import Any
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray
+from ray._private import ray_constants
+
+# Ray reads the variable once, when it is first imported; a program that imported Ray
+# before erlay (erlay's own CLI does, through its plug-ins) would keep the eth0 default, and
+# its driver would then rewrite a 127.0.0.1 cluster address to eth0's and never connect.
+ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(
+    ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, True)
 
 log = logging.getLogger("erlay.ray")
 
@@ -34,6 +41,10 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None,
         return {"address": ray.get_runtime_context().gcs_address, "started": False}
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
+        if _on_loopback(address):
+            # Without it the driver takes this machine's first interface address as its
+            # own, finds no raylet there and waits for one forever.
+            kwargs.setdefault("_node_ip_address", LOOPBACK)
         info = ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver,
                         **kwargs)
         log.info("attached to Ray at %s", address)
@@ -50,6 +61,14 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None,
     info = ray.init(**init_kwargs)
     log.info("started a local Ray on loopback (%s)", info.address_info.get("gcs_address"))
     return {"address": info.address_info.get("gcs_address"), "started": True}
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether ``address`` (a GCS ``host:port``) names a cluster on this machine's
+    loopback.  Ray Client addresses (``ray://``) and ``auto`` are left to Ray."""
+    if "://" in address:
+        return False
+    return address.rsplit(":", 1)[0] in (LOOPBACK, "localhost")
 
 
 def shutdown_ray(grace_s: float = 5.0) -> list[int]:
