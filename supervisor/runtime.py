@@ -359,8 +359,10 @@ class Supervisor:
                 continue
             interval = min(self.state.children[c].spec.poll_interval_s  # type: ignore[type-var]
                            for c, _ in targets)
-            await asyncio.sleep(interval)
-            await asyncio.gather(*(self._check(cid, proc, interval) for cid, proc in targets))
+            # A check waits up to ``interval`` for its answer, concurrently with the next
+            # period's sleep: a silent child is judged every ``interval``, not every two.
+            await asyncio.gather(asyncio.sleep(interval),
+                                 *(self._check(cid, proc, interval) for cid, proc in targets))
 
     async def _check(self, cid: str, proc: ChildProcess, timeout_s: float) -> None:
         try:
