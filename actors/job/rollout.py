@@ -322,7 +322,10 @@ class RolloutRunner:
                 self.user_errors += 1
                 self._complete(traj, history)
                 return traj
-            obs_ids = self.tok.encode(obs_text)
+            # The observation is tool output, of any size: it gets the room the context
+            # has left and no more, so no sequence outgrows what the learner can train on.
+            room = self.max_seq_len - len(prompt_ids) - len(traj.completion_ids)
+            obs_ids = self.tok.encode(obs_text)[:max(0, room)]
             if turn not in history.observations:
                 self.sink.record(Transition(TransitionKind.OBSERVATION, rollout_id,
                                             {"turn": turn, "token_ids": obs_ids}))
@@ -330,6 +333,9 @@ class RolloutRunner:
             traj.logprobs += [0.0] * len(obs_ids)
             traj.versions += [-1] * len(obs_ids)
             traj.loss_mask += [False] * len(obs_ids)
+            if len(prompt_ids) + len(traj.completion_ids) >= self.max_seq_len:
+                traj.failure = "context full"
+                break
         await self._reward(traj, episode, result, history)
         self._complete(traj, history)
         return traj

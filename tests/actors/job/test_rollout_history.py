@@ -101,6 +101,35 @@ def test_a_tool_call_without_a_journaled_result_runs_once_under_its_key() -> Non
                      TransitionKind.OBSERVATION]
 
 
+def test_a_huge_tool_output_is_clipped_to_the_room_left_in_the_context() -> None:
+    """Tool output of any size never makes a sequence longer than the learner can train on:
+    the observation is cut to the room left, and the rollout ends as "context full"."""
+    tok, env = CharTokenizer(), ToolUseEnv()
+    env = ToolUseEnv(max_observation_chars=2000)  # the environment lets it all through
+    history, episode, _ = journaled_tool_rollout(tok, env, "r00000-g000-2")
+    result = dict(history.tool_results.pop("r00000-g000-2/tool0"), stdout="7" * 5000)
+    history.observations.clear()
+
+    class Sandbox:
+        async def execute(self, key: str, code: str,
+                          trace: dict[str, str] | None = None) -> dict[str, Any]:
+            return result
+
+    sink = MemoryTransitions()
+    max_seq_len = 96
+    runner = RolloutRunner(guarded(env), tok, Engines(),
+                           Sandbox(),  # type: ignore[arg-type]
+                           Forbidden("judge"), sink,  # type: ignore[arg-type]
+                           SamplingParams(24, 1.0, 8, 0), max_seq_len=max_seq_len)
+    traj = asyncio.run(runner.play("r00000-g000-2", 0, 0, episode, 3, history))
+    total = len(traj.prompt_ids) + len(traj.completion_ids)
+    assert total == max_seq_len, total
+    assert len(traj.completion_ids) == len(traj.logprobs) == len(traj.loss_mask)
+    assert traj.failure == "context full"
+    [obs] = [t for t in sink.items if t.kind is TransitionKind.OBSERVATION]
+    assert 0 < len(obs.data["token_ids"]) < 5000  # journaled as clipped: a replay agrees
+
+
 def test_history_joins_chunks_and_ignores_duplicates_and_gaps() -> None:
     chunks = [{"turn": 0, "start": 0, "token_ids": [1, 2], "logprobs": [0.0, 0.0],
                "version": 1},
