@@ -67,6 +67,22 @@ def tree_paths(job: Job) -> list[str]:
     return out
 
 
+def _process_infos(job: Job) -> dict[str, dict[str, Any]]:
+    """Path -> ``info`` (pid, node id) of every child of the job's tree that has a process."""
+    assert job.tree is not None
+    snapshot = job.tree.snapshot()
+    out: dict[str, dict[str, Any]] = {}
+
+    def walk(rows: list[dict[str, Any]], prefix: str) -> None:
+        for row in rows:
+            path = f"{prefix}/{row['id']}"
+            if (row.get("info") or {}).get("pid"):
+                out[path] = row["info"]
+            walk(row.get("children") or [], path)
+    walk(snapshot["children"], snapshot["path"])
+    return out
+
+
 class Injector:
     """Injects the faults of one chaos run into ``job``; keeps the records in order."""
 
@@ -250,9 +266,11 @@ class Injector:
         if not workers:
             raise LookupError("the cluster has no worker node left to lose")
         node = workers[0]
-        hosts = [p for p in tree_paths(self.job) if "/host@" in p
-                 and self.job.tree is not None
-                 and self.job.tree.ref(p).process.info.get("node_id") == node.node_id]
+        infos = _process_infos(self.job)
+        hosts = [p for p, info in infos.items()
+                 if "host@" in p.rsplit("/", 1)[-1] and info.get("node_id") == node.node_id]
+        log.debug("chaos: node %s holds %s; children by node: %s", node.node_id[:12], hosts,
+                 {p: str(i.get("node_id"))[:12] for p, i in infos.items()})
         cluster.remove_node(node, allow_graceful=False)
         # Attributed to the sandbox domain's host on that node when there is one: it is the
         # child whose restart elsewhere shows the loss was handled.

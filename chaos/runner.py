@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from erlay.chaos.processes import ProcessWatch
 from erlay.chaos.report import build_report, goodput, write_report
 from erlay.chaos.scenario import ATTACKS, FaultSpec, Scenario, schedule
 from erlay.supervisor import failpoints
+from erlay.supervisor.errors import ChildNotRunning
 from erlay.supervisor.events import read_events
 from erlay.supervisor.raylocal import shutdown_ray
 
@@ -244,7 +246,7 @@ def _inject_on_schedule(scenario: Scenario, injector: Injector, job: Job,
         if stepped and len(job.run_dir.rl_steps()) >= stepped[0][0]:
             due.append(stepped.pop(0)[1])
         for index in due:
-            problem = _fire(scenario.faults[index], injector, cluster)
+            problem = _fire(scenario.faults[index], injector, cluster, thread.is_alive)
             if problem is not None:
                 failed.append(f"faults.{index} ({scenario.faults[index].inject} "
                               f"{scenario.faults[index].target}): {problem}")
@@ -258,19 +260,36 @@ def _inject_on_schedule(scenario: Scenario, injector: Injector, job: Job,
     return failed
 
 
-def _fire(spec: FaultSpec, injector: Injector, cluster: Any) -> str | None:
-    """Inject one fault; the reason it could not be injected, or None."""
+RETARGET_S = 10.0  # how long a fault waits for a target that is between incarnations
+
+
+def _fire(spec: FaultSpec, injector: Injector, cluster: Any,
+          job_alive: Callable[[], bool] = lambda: True) -> str | None:
+    """Inject one fault; the reason it could not be injected, or None.
+
+    A target that is not running right now (between two incarnations, or its supervisor
+    restarting) is tried again for up to :data:`RETARGET_S` while the job runs: the fault
+    then lands on the next incarnation rather than being dropped."""
     if spec.params.get("scope") == "env":
         return None  # armed at process start
-    try:
-        if spec.inject == "node_loss":
-            injector.node_loss(cluster)
+    give_up = time.monotonic() + RETARGET_S
+    while True:
+        try:
+            if spec.inject == "node_loss":
+                injector.node_loss(cluster)
+            else:
+                inject_one(injector, spec)
             return None
-        inject_one(injector, spec)
-    except Exception as exc:  # noqa: BLE001 - a target between incarnations: a failed injection
-        log.warning("chaos: could not inject %s into %s: %s", spec.inject, spec.target, exc)
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        except (LookupError, ChildNotRunning) as exc:
+            if job_alive() and time.monotonic() < give_up:
+                time.sleep(0.2)
+                continue
+            problem = exc
+        except Exception as exc:  # noqa: BLE001 - reported as a failed injection
+            problem = exc
+        log.warning("chaos: could not inject %s into %s: %s", spec.inject, spec.target,
+                    problem)
+        return f"{type(problem).__name__}: {problem}"
 
 
 def _last_progress(job: Job, duration_s: float) -> str:
