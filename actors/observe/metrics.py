@@ -2,8 +2,9 @@
 
 :class:`RayMetrics` is what the job's telemetry hub calls: counters for rollouts, tokens,
 restarts, sandbox outcomes, judge failures and time lost; a histogram of generation latency;
-gauges for goodput and throughput.  Every series carries the tag ``run`` (the run name) so
-runs sharing a cluster stay apart.
+gauges for goodput (trained tokens per second, :mod:`erlay.actors.observe.goodput`), time
+efficiency (the share of RL wall time not lost to failures) and throughput.  Every series
+carries the tag ``run`` (the run name) so runs sharing a cluster stay apart.
 
 Where the numbers go.  ``ray.util.metrics`` in Ray 2.60 records from any process with a
 Ray core worker, the driver included (checked by ``tests/actors/observe/test_metrics.py``, which
@@ -25,7 +26,8 @@ process, on first use (creating them before ``ray.init`` is allowed: points reco
 Ray is up are dropped by Ray, later ones are exported).  If ``ray.util.metrics`` cannot be
 used here, the first failure is logged once as a warning and every ``RayMetrics`` in the
 process becomes a no-op.  A value that is not a finite number is dropped, as is a counter
-increment that is not positive (Ray's counters only go up and reject 0).
+increment that is not positive (Ray's counters only go up and reject 0) and a negative
+goodput; a time efficiency outside 0..1 is clamped.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ RESTARTS = "erlay_restarts_total"
 SANDBOX_OUTCOMES = "erlay_sandbox_outcomes_total"
 JUDGE_FAILURES = "erlay_judge_failures_total"
 TIME_LOST = "erlay_time_lost_seconds_total"
-GOODPUT = "erlay_goodput_ratio"
+GOODPUT = "erlay_goodput_tokens_per_second"
+TIME_EFFICIENCY = "erlay_time_efficiency_ratio"
 ROLLOUTS_PER_S = "erlay_rollouts_per_second"
 TOKENS_PER_S = "erlay_tokens_per_second"
 
@@ -70,6 +73,7 @@ class _Instruments:
     judge_failures: Any
     time_lost: Any
     goodput: Any
+    time_efficiency: Any
     rollouts_per_s: Any
     tokens_per_s: Any
 
@@ -94,7 +98,9 @@ def _build_instruments() -> _Instruments:
         sandbox_outcomes=counter(SANDBOX_OUTCOMES, "Sandbox executions by outcome.", "kind"),
         judge_failures=counter(JUDGE_FAILURES, "Judge calls that failed, by kind.", "kind"),
         time_lost=counter(TIME_LOST, "Seconds of progress lost to failures.", "domain"),
-        goodput=gauge(GOODPUT, "Fraction of wall time spent on useful work (0..1)."),
+        goodput=gauge(GOODPUT, "Tokens of trained samples per second of wall time."),
+        time_efficiency=gauge(TIME_EFFICIENCY,
+                              "Share of RL wall time not lost to failures (0..1)."),
         rollouts_per_s=gauge(ROLLOUTS_PER_S, "Recent rollout throughput."),
         tokens_per_s=gauge(TOKENS_PER_S, "Recent generation throughput in tokens."),
     )
@@ -179,10 +185,16 @@ class RayMetrics:
         """Add ``seconds`` lost to failures in ``domain`` (``erlay_time_lost_seconds_total``)."""
         self._inc("time_lost", seconds, domain=domain)
 
-    def goodput(self, fraction: float) -> None:
-        """Set the goodput fraction, clamped to 0..1 (``erlay_goodput_ratio``)."""
+    def goodput(self, tokens_per_s: float) -> None:
+        """Set goodput, trained tokens per second (``erlay_goodput_tokens_per_second``)."""
+        if _finite(tokens_per_s) and tokens_per_s >= 0:
+            self._record("goodput", "set", float(tokens_per_s), {})
+
+    def time_efficiency(self, fraction: float) -> None:
+        """Set the share of RL wall time not lost to failures, clamped to 0..1
+        (``erlay_time_efficiency_ratio``)."""
         if _finite(fraction):
-            self._record("goodput", "set", min(1.0, max(0.0, float(fraction))), {})
+            self._record("time_efficiency", "set", min(1.0, max(0.0, float(fraction))), {})
 
     def rollouts_per_s(self, x: float) -> None:
         """Set the recent rollout throughput (``erlay_rollouts_per_second``)."""

@@ -13,11 +13,14 @@ Metrics (OpenTelemetry names; the Ray mirror uses ``erlay_*`` names):
   p50, p99 and max in ``metrics.jsonl``;
 - ``erlay.restarts`` by domain and cause; ``erlay.sandbox.outcomes`` by kind;
   ``erlay.judge.failures`` by kind;
-- ``erlay.time_lost`` (seconds, by domain) and ``erlay.goodput`` (gauge).
+- ``erlay.time_lost`` (seconds, by domain) and ``erlay.time_efficiency`` (gauge, 0..1);
+- ``erlay.goodput`` (gauge, tokens/s, per RL step).
 
-Time lost to failures is measured per RL step (:func:`step_time_lost`): a step during which
-a child was restarted lost whatever it took beyond the median of the steps without one.
-Goodput is the share of RL wall time not lost that way.
+Goodput is erlay's one definition (:mod:`erlay.actors.observe.goodput`): the step record's
+``trained_tokens`` over its ``step_s``.  Time lost to failures is measured per RL step
+(:func:`step_time_lost`): a step during which a child was restarted lost whatever it took
+beyond the median of the steps without one.  Time efficiency is the share of the RL wall time
+so far not lost that way; it is not goodput.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from erlay.actors.config import TelemetrySection
+from erlay.actors.observe.goodput import goodput as goodput_of
 from erlay.supervisor import telemetry
 from erlay.supervisor.otel import TracingEventSink
 
@@ -141,8 +145,11 @@ class JobTelemetry:
             self._instruments[key] = meter.create_counter(name, unit=unit)
         self._instruments["latency"] = meter.create_histogram("erlay.generation.latency",
                                                               unit="s")
-        for name in ("rollouts_per_s", "tokens_per_s", "goodput"):
-            meter.create_observable_gauge(f"erlay.{name}", callbacks=[self._observe(name)])
+        gauges = {"rollouts_per_s": "", "tokens_per_s": "", "goodput": "tokens/s",
+                  "time_efficiency": "1"}
+        for name, unit in gauges.items():
+            meter.create_observable_gauge(f"erlay.{name}", callbacks=[self._observe(name)],
+                                          unit=unit)
 
     def _metric_exporter(self) -> Any:
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
@@ -205,7 +212,9 @@ class JobTelemetry:
 
     def step(self, record: dict[str, Any]) -> dict[str, Any]:
         """Account one RL step's metrics record; returns the fields to add to it: generation
-        latency p50/p99/max, rollouts/s, tokens/s, seconds lost to failures, goodput."""
+        latency p50/p99/max, rollouts/s, tokens/s, seconds lost to failures
+        (``lost_s``), ``time_efficiency`` and ``goodput`` (trained tokens/s of this step;
+        0 for a record without ``trained_tokens``)."""
         step_s = float(record.get("step_s") or 0.0)
         with self._lock:
             latencies = self._latencies.pop(int(record.get("step", -1)), [])
@@ -219,10 +228,12 @@ class JobTelemetry:
             del self._clean_steps[:-50]  # a moving baseline: the job's speed drifts
         self.lost_s += lost
         self.rl_s += step_s
-        goodput = 1.0 - self.lost_s / self.rl_s if self.rl_s > 0 else 1.0
+        efficiency = 1.0 - self.lost_s / self.rl_s if self.rl_s > 0 else 1.0
+        goodput = goodput_of(float(record.get("trained_tokens") or 0), step_s)
         rollouts_s = record.get("samples", 0) / step_s if step_s > 0 else 0.0
         tokens_s = record.get("gen_tokens", 0) / step_s if step_s > 0 else 0.0
-        self._gauges.update(rollouts_per_s=rollouts_s, tokens_per_s=tokens_s, goodput=goodput)
+        self._gauges.update(rollouts_per_s=rollouts_s, tokens_per_s=tokens_s, goodput=goodput,
+                            time_efficiency=efficiency)
         # Counters and histograms per step, not per rollout: the driver plays hundreds of
         # rollouts a second, and each metric call costs microseconds it would otherwise lose.
         samples, tokens = int(record.get("samples", 0)), int(record.get("gen_tokens", 0))
@@ -241,10 +252,12 @@ class JobTelemetry:
             self._add("lost", share, domain=domain)
             self._ray("time_lost", share, domain)
         self._ray("goodput", goodput)
+        self._ray("time_efficiency", efficiency)
         self._ray("rollouts_per_s", rollouts_s)
         self._ray("tokens_per_s", tokens_s)
         return {"gen_latency_p50_s": _rnd(percentile(latencies, 50)),
                 "gen_latency_p99_s": _rnd(percentile(latencies, 99)),
                 "gen_latency_max_s": _rnd(max(latencies, default=None)),
                 "rollouts_per_s": round(rollouts_s, 3), "tokens_per_s": round(tokens_s, 1),
-                "lost_s": round(lost, 4), "goodput": round(goodput, 4)}
+                "lost_s": round(lost, 4), "time_efficiency": round(efficiency, 4),
+                "goodput": round(goodput, 1)}

@@ -98,7 +98,8 @@ def test_every_metric_recorded_by_the_driver_reaches_prometheus(ray_fast_metrics
     metrics.judge_failure("timeout")
     metrics.time_lost(1.5, "generation")
     metrics.time_lost(2.0, "generation")
-    metrics.goodput(0.75)
+    metrics.goodput(42.5)
+    metrics.time_efficiency(0.75)
     metrics.rollouts_per_s(12.5)
     metrics.tokens_per_s(300.0)
     assert metrics.enabled
@@ -119,7 +120,8 @@ def test_every_metric_recorded_by_the_driver_reaches_prometheus(ray_fast_metrics
         key("erlay_sandbox_outcomes_total", run, kind="timeout"): 1,
         key("erlay_judge_failures_total", run, kind="timeout"): 1,
         key("erlay_time_lost_seconds_total", run, domain="generation"): 3.5,
-        key("erlay_goodput_ratio", run): 0.75,
+        key("erlay_goodput_tokens_per_second", run): 42.5,
+        key("erlay_time_efficiency_ratio", run): 0.75,
         key("erlay_rollouts_per_second", run): 12.5,
         key("erlay_tokens_per_second", run): 300.0,
     }
@@ -167,13 +169,32 @@ def test_values_ray_would_reject_are_dropped_not_raised(
     metrics.time_lost(float("nan"), "generation")
     metrics.generation_latency(float("inf"))
     metrics.rollouts_per_s(float("nan"))
-    metrics.goodput(1.7)                     # clamped, not dropped
+    metrics.time_efficiency(1.7)             # clamped, not dropped
+    metrics.time_efficiency(-0.2)            # clamped, not dropped
+    metrics.goodput(-5.0)                    # no rate is negative
+    metrics.goodput(float("inf"))
     metrics.judge_failure(404)               # type: ignore[arg-type]  # tag made a str
     assert fake_instruments == [
         ("set", 1.0, {"run": "r"}),
+        ("set", 0.0, {"run": "r"}),
         ("inc", 1.0, {"run": "r", "kind": "404"}),
     ]
     assert metrics.enabled
+
+
+def test_goodput_is_a_token_rate_and_time_efficiency_a_clamped_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, list[tuple[str, float, dict[str, str]]]] = {}
+    fields = ray_metrics._Instruments.__dataclass_fields__
+    instruments = ray_metrics._Instruments(
+        **{f: FakeInstrument(calls.setdefault(f, [])) for f in fields})
+    monkeypatch.setattr(ray_metrics, "_STATE", ray_metrics._ProcessState())
+    monkeypatch.setattr(ray_metrics, "_build_instruments", lambda: instruments)
+    metrics = RayMetrics("r")
+    metrics.goodput(1500.0)                  # tokens/s: far above 1 and kept as it is
+    metrics.time_efficiency(0.8)
+    assert calls["goodput"] == [("set", 1500.0, {"run": "r"})]
+    assert calls["time_efficiency"] == [("set", 0.8, {"run": "r"})]
 
 
 def test_unusable_ray_metrics_log_once_and_turn_into_no_ops(
@@ -188,7 +209,7 @@ def test_unusable_ray_metrics_log_once_and_turn_into_no_ops(
         for _ in range(3):
             metrics.rollouts(1)
             metrics.restart("generation", "crash")
-            metrics.goodput(0.5)
+            metrics.goodput(120.0)
     warnings = [r for r in caplog.records if r.name == "erlay.ray_metrics"]
     assert len(warnings) == 1 and "no metrics agent" in warnings[0].getMessage()
     assert not metrics.enabled

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from erlay.actors.config import TelemetrySection, load_config
 from erlay.actors.job.driver import Job
+from erlay.actors.observe.goodput import goodput
 from erlay.actors.observe.telemetry import JobTelemetry, percentile, step_time_lost
 from erlay.actors.rundir import RunDir
 from erlay.supervisor import telemetry
@@ -84,7 +85,7 @@ def test_restart_span_links_to_its_failure_and_escalation_to_the_leaf() -> None:
     assert restarts == [("generation", "killed")]
 
 
-def test_the_hub_adds_latency_tails_time_lost_and_goodput(tmp_path: Path) -> None:
+def test_the_hub_adds_latency_tails_time_lost_and_time_efficiency(tmp_path: Path) -> None:
     hub = JobTelemetry(TelemetrySection(exporter="none", ray_metrics=False), tmp_path, "t")
     hub.start()
     try:
@@ -94,11 +95,31 @@ def test_the_hub_adds_latency_tails_time_lost_and_goodput(tmp_path: Path) -> Non
         first = hub.step({"step": 0, "step_s": 2.0, "samples": 64, "gen_tokens": 640})
         assert first["gen_latency_p50_s"] == 0.3 and first["gen_latency_max_s"] == 2.0
         assert first["rollouts_per_s"] == 32.0 and first["tokens_per_s"] == 320.0
-        assert first["lost_s"] == 0.0 and first["goodput"] == 1.0
+        assert first["lost_s"] == 0.0 and first["time_efficiency"] == 1.0
         hub._restarted("generation", "killed")
         second = hub.step({"step": 1, "step_s": 5.0, "samples": 64, "gen_tokens": 640})
         assert second["gen_latency_max_s"] == 9.0
-        assert second["lost_s"] == 3.0 and second["goodput"] == round(1 - 3.0 / 7.0, 4)
+        assert second["lost_s"] == 3.0
+        assert second["time_efficiency"] == round(1 - 3.0 / 7.0, 4)
+    finally:
+        hub.close()
+
+
+def test_the_hub_goodput_is_trained_tokens_per_step_second_not_generated(
+        tmp_path: Path) -> None:
+    hub = JobTelemetry(TelemetrySection(exporter="none", ray_metrics=False), tmp_path, "t")
+    hub.start()
+    try:
+        # 640 tokens generated, 400 of them trained (the rest masked): goodput counts 400.
+        record = hub.step({"step": 0, "step_s": 4.0, "samples": 64, "gen_tokens": 640,
+                           "trained_tokens": 400})
+        assert record["goodput"] == 100.0 and record["tokens_per_s"] == 160.0
+        assert hub._gauges["goodput"] == 100.0 and hub._gauges["time_efficiency"] == 1.0
+        # A step that trained nothing (every sample masked) has no goodput, however fast.
+        idle = hub.step({"step": 1, "step_s": 1.0, "samples": 64, "gen_tokens": 640,
+                         "trained_tokens": 0})
+        assert idle["goodput"] == 0.0 and idle["time_efficiency"] == 1.0
+        assert hub.step({"step": 2, "step_s": 0.0, "trained_tokens": 9})["goodput"] == 0.0
     finally:
         hub.close()
 
@@ -218,13 +239,15 @@ def test_one_rollout_is_one_trace_across_processes(tmp_path: Path, fresh_ray: No
     assert {"train_step", "weight_update", "checkpoint"} <= {s["name"] for s in local}
     rl = job.run_dir.rl_steps()
     assert all(m["gen_latency_p99_s"] >= m["gen_latency_p50_s"] > 0 for m in rl)
-    assert all(m["goodput"] == 1.0 and m["lost_s"] == 0.0 for m in rl)
+    assert all(m["time_efficiency"] == 1.0 and m["lost_s"] == 0.0 for m in rl)
+    assert all(m["goodput"] == round(goodput(m["trained_tokens"], m["step_s"]), 1) for m in rl)
+    assert any(m["goodput"] > 0 for m in rl)
     exported = (job.run_dir.path / "telemetry").glob("metrics-*.jsonl")
     names = {m["name"] for f in exported for line in f.read_text().splitlines()
              for rm in json.loads(line)["resource_metrics"]
              for sm in rm["scope_metrics"] for m in sm["metrics"]}
     assert {"erlay.rollouts", "erlay.generated_tokens", "erlay.generation.latency",
-            "erlay.goodput"} <= names
+            "erlay.goodput", "erlay.time_efficiency"} <= names
 
 
 def test_the_otlp_exporter_reaches_a_collector_on_loopback(tmp_path: Path) -> None:
