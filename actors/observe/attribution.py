@@ -13,12 +13,13 @@ restates:
 - Its *recovery time* runs from the failure to the next start of the same child
   (supervisor path and child id).  A failure with no later start was not restarted before
   the run ended; it is counted apart and left out of mean recovery times.
-- Its *goodput cost*: an RL step's window is the wall time since the previous RL step was
+- Its *time lost*: an RL step's window is the wall time since the previous RL step was
   recorded (the first step's window is its own ``step_s``).  A step whose window holds
   failures cost the excess of its window over the median window of the steps that hold
   none (clipped at 0); the excess is split equally among its failures.  Failures outside
   every RL step window cost nothing here.  Percentages are of the total RL wall time (the
-  sum of the windows).
+  sum of the windows).  Time lost is not goodput (:mod:`erlay.actors.observe.goodput`,
+  trained tokens per second): it is what failures cost in wall time.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class StepWindow:
 
 
 @dataclass(frozen=True)
-class Goodput:
-    """Goodput cost of each failure (seconds, in the order given) and what it rests on."""
+class TimeLost:
+    """Time lost to each failure (seconds, in the order given) and what it rests on."""
 
     costs: tuple[float, ...]
     rl_wall_s: float
@@ -104,7 +105,7 @@ class AttributionRow:
     share_pct: float
     mean_recovery_s: float | None
     unrecovered: int
-    cost_s: float
+    cost_s: float           # time lost, seconds
     cost_pct: float | None  # of RL wall time; None when no RL step was recorded
 
 
@@ -215,9 +216,9 @@ def step_windows(rl: Sequence[Mapping[str, Any]], start: float | None) -> list[S
     return out
 
 
-def goodput_costs(failures: Sequence[Failure], windows: Sequence[StepWindow],
-                  start: float | None) -> Goodput:
-    """Each failure's goodput cost (see the module docstring for the definition)."""
+def time_lost(failures: Sequence[Failure], windows: Sequence[StepWindow],
+              start: float | None) -> TimeLost:
+    """The time lost to each failure (see the module docstring for the definition)."""
     hits: dict[int, list[int]] = defaultdict(list)
     outside = 0
     for i, failure in enumerate(failures):
@@ -236,43 +237,43 @@ def goodput_costs(failures: Sequence[Failure], windows: Sequence[StepWindow],
         excess = max(0.0, windows[w].wall_s - (baseline or 0.0))
         for i in members:
             costs[i] = excess / len(members)
-    return Goodput(tuple(costs), sum(win.wall_s for win in windows), baseline, len(hits),
-                   outside)
+    return TimeLost(tuple(costs), sum(win.wall_s for win in windows), baseline, len(hits),
+                    outside)
 
 
 def _row(domain: str, cause: Cause | None, members: list[int], failures: Sequence[Failure],
-         goodput: Goodput) -> AttributionRow:
+         lost: TimeLost) -> AttributionRow:
     recoveries = [r for i in members if (r := failures[i].recovery_s) is not None]
-    cost = sum(goodput.costs[i] for i in members)
+    cost = sum(lost.costs[i] for i in members)
     return AttributionRow(
         domain, cause, len(members), 100.0 * len(members) / len(failures),
         statistics.fmean(recoveries) if recoveries else None,
         len(members) - len(recoveries), cost,
-        100.0 * cost / goodput.rl_wall_s if goodput.rl_wall_s > 0 else None)
+        100.0 * cost / lost.rl_wall_s if lost.rl_wall_s > 0 else None)
 
 
 def _order(domain: str) -> int:
     return DOMAINS.index(domain) if domain in DOMAINS else len(DOMAINS)
 
 
-def attribution_rows(failures: Sequence[Failure], goodput: Goodput) -> list[AttributionRow]:
+def attribution_rows(failures: Sequence[Failure], lost: TimeLost) -> list[AttributionRow]:
     """One row per (domain, cause) that failed: most failures first, then domain order,
     then :class:`Cause` order."""
     groups: dict[tuple[str, Cause], list[int]] = defaultdict(list)
     for i, failure in enumerate(failures):
         groups[(failure.domain, failure.cause)].append(i)
-    rows = [_row(d, c, m, failures, goodput) for (d, c), m in groups.items()]
+    rows = [_row(d, c, m, failures, lost) for (d, c), m in groups.items()]
     causes = list(Cause)
     return sorted(rows, key=lambda r: (-r.failures, _order(r.domain),
                                        causes.index(r.cause) if r.cause else 0))
 
 
-def domain_rows(failures: Sequence[Failure], goodput: Goodput) -> list[AttributionRow]:
+def domain_rows(failures: Sequence[Failure], lost: TimeLost) -> list[AttributionRow]:
     """One row per domain that failed (``cause`` None), most failures first."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, failure in enumerate(failures):
         groups[failure.domain].append(i)
-    rows = [_row(d, None, m, failures, goodput) for d, m in groups.items()]
+    rows = [_row(d, None, m, failures, lost) for d, m in groups.items()]
     return sorted(rows, key=lambda r: (-r.failures, _order(r.domain)))
 
 

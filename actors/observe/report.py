@@ -6,11 +6,13 @@ as well as a finished one: a torn last line is skipped, and a missing ``summary.
 ``events.jsonl``, ``telemetry/`` or an empty ``metrics.jsonl`` each turns into a note in the
 report and a figure left out, never a traceback.
 
-``report.md`` holds an overview, the failure-attribution table (by domain and cause, with
-recovery times and goodput cost; definitions in :mod:`erlay.actors.observe.attribution`), the
-failures one by one, and four figures: ``reward.png``, ``throughput.png``, ``restarts.png`` and
-``gen_latency.png``.  ``events.jsonl`` is the source for failures; telemetry spans only for
-the generation-latency distribution.
+``report.md`` holds an overview (with goodput as :mod:`erlay.actors.observe.goodput` defines
+it, and the samples not trained by reason), the failure-attribution table (by domain and
+cause, with recovery times and time lost; definitions in
+:mod:`erlay.actors.observe.attribution`), the failures one by one, and four figures:
+``reward.png``, ``throughput.png``, ``restarts.png`` and ``gen_latency.png``.
+``events.jsonl`` is the source for failures; telemetry spans only for the generation-latency
+distribution.
 """
 
 from __future__ import annotations
@@ -27,21 +29,22 @@ from typing import Any
 
 import yaml
 
+from erlay.actors.observe import goodput
 from erlay.actors.observe.attribution import (
     DOMAINS,
     OTHER,
     AttributionRow,
     Cause,
     Failure,
-    Goodput,
     StepWindow,
+    TimeLost,
     attribution_rows,
     domain_rows,
     failures_from_events,
-    goodput_costs,
     job_start,
     share_line,
     step_windows,
+    time_lost,
 )
 from erlay.actors.rundir import RunDir, reward_window
 from erlay.supervisor.errors import ErlayError
@@ -152,7 +155,7 @@ def _planned_steps(config: Path) -> int | None:
 
 def _read_events(run: RunDir, notes: list[str]) -> list[SupervisorEvent]:
     if not run.events.is_file():
-        notes.append("no events.jsonl: failures, recovery times and goodput cost cannot be "
+        notes.append("no events.jsonl: failures, recovery times and time lost cannot be "
                      "attributed.")
         return []
     read = read_jsonl(run.events)
@@ -235,7 +238,7 @@ class Analysis:
     start_source: str
     windows: list[StepWindow]
     failures: list[Failure]
-    goodput: Goodput
+    lost: TimeLost
     rows: list[AttributionRow]
     domains: list[AttributionRow]
     escalations: int
@@ -249,10 +252,10 @@ def analyze(data: RunData) -> Analysis:
     start, source = job_start(data.metrics, data.events, data.recorded_start)
     windows = step_windows(data.rl, start)
     failures = failures_from_events(data.events)
-    goodput = goodput_costs(failures, windows, start)
+    lost = time_lost(failures, windows, start)
     escalations = sum(e.context is EventKind.ESCALATION for e in data.events)
-    return Analysis(start, source, windows, failures, goodput,
-                    attribution_rows(failures, goodput), domain_rows(failures, goodput),
+    return Analysis(start, source, windows, failures, lost,
+                    attribution_rows(failures, lost), domain_rows(failures, lost),
                     escalations)
 
 
@@ -437,6 +440,31 @@ def _cell(text: str, limit: int = 90) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+def _goodput_rows(data: RunData, a: Analysis) -> list[tuple[str, str]]:
+    """Goodput (:mod:`erlay.actors.observe.goodput`) over the RL wall time, and the
+    samples not trained by reason; each RL step counted once however often it was fed."""
+    if not data.rl:
+        return [("goodput", "— (no RL step recorded)")]
+    if not any("trained_tokens" in m for m in data.rl):
+        rate = ("— (metrics.jsonl records no trained_tokens: a run from before goodput was "
+                "defined)")
+    elif a.lost.rl_wall_s > 0:
+        trained = goodput.trained_tokens(data.rl)
+        rate = (f"{goodput.goodput(trained, a.lost.rl_wall_s):.1f} tokens/s ({trained} "
+                f"trained tokens / {a.lost.rl_wall_s:.1f} s RL wall time)")
+    else:
+        rate = "— (no RL wall time)"
+    lost = goodput.not_trained(data.rl)
+    kinds = ", ".join(f"{kind} {n}" for kind, n in lost.items())
+    return [("goodput", rate), ("samples not trained", f"{sum(lost.values())} ({kinds})")]
+
+
+def _time_efficiency(final: dict[str, Any]) -> Any:
+    if "time_efficiency" in final or "trained_tokens" in final:
+        return final.get("time_efficiency")
+    return final.get("goodput")  # before goodput was defined, this field held the fraction
+
+
 def _overview(data: RunData, a: Analysis) -> list[str]:
     steps = [m["step"] for m in data.rl if _is_num(m.get("step"))]
     planned = f" of {data.planned_steps} planned" if data.planned_steps else ""
@@ -446,7 +474,7 @@ def _overview(data: RunData, a: Analysis) -> list[str]:
     if data.detail:
         status += f"; {_cell(data.detail, 120)}"
     rows = [("status", status), ("RL steps", f"{len(data.rl)}{planned}{span}"),
-            ("RL wall time", f"{a.goodput.rl_wall_s:.1f} s (the sum of the step windows)")]
+            ("RL wall time", f"{a.lost.rl_wall_s:.1f} s (the sum of the step windows)")]
     rewards = [float(m["reward_mean"]) for m in data.rl if _is_num(m.get("reward_mean"))]
     if rewards:
         first, last = reward_window(rewards)
@@ -454,28 +482,35 @@ def _overview(data: RunData, a: Analysis) -> list[str]:
     samples = sum(m["samples"] for m in data.rl if _is_num(m.get("samples")))
     tokens = sum(m["gen_tokens"] for m in data.rl if _is_num(m.get("gen_tokens")))
     rows.append(("samples / generated tokens", f"{samples} / {tokens}"))
-    if a.goodput.rl_wall_s > 0:
-        rows.append(("throughput", f"{samples / a.goodput.rl_wall_s:.1f} samples/s, "
-                     f"{tokens / a.goodput.rl_wall_s:.1f} tokens/s over the RL wall time"))
+    if a.lost.rl_wall_s > 0:
+        rows.append(("throughput", f"{samples / a.lost.rl_wall_s:.1f} samples/s, "
+                     f"{tokens / a.lost.rl_wall_s:.1f} tokens/s over the RL wall time"))
+    rows += _goodput_rows(data, a)
     restarted = sum(f.recovered_at is not None for f in a.failures)
     rows.append(("failures", f"{len(a.failures)} ({restarted} restarted, "
                  f"{len(a.failures) - restarted} not restarted); "
                  f"{a.escalations} escalation(s)"))
-    cost = sum(a.goodput.costs)
-    rows.append(("goodput cost of failures",
-                 f"{cost:.2f} s ({_pct(100 * cost / a.goodput.rl_wall_s)} of RL wall time)"
-                 if a.goodput.rl_wall_s > 0 else "— (no RL step recorded)"))
+    cost = sum(a.lost.costs)
+    rows.append(("time lost to failures",
+                 f"{cost:.2f} s ({_pct(100 * cost / a.lost.rl_wall_s)} of RL wall time)"
+                 if a.lost.rl_wall_s > 0 else "— (no RL step recorded)"))
     final = data.rl[-1] if data.rl else {}
-    reported = [f"{k}={final[k]}" for k in ("goodput", "lost_s") if _is_num(final.get(k))]
-    if reported:
-        rows.append(("job-reported (last RL step)", ", ".join(reported)))
+    reported = {"time_efficiency": _time_efficiency(final), "lost_s": final.get("lost_s")}
+    shown = [f"{k}={v}" for k, v in reported.items() if _is_num(v)]
+    if shown:
+        rows.append(("job-reported (last RL step)", ", ".join(shown)))
     rows.append(("job start (time zero)", a.start_source))
-    return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
+            f"Goodput is {goodput.DEFINITION}: here the trained tokens of the RL steps (a step "
+            "fed again after a rewind counted once) over the RL wall time. Samples not trained "
+            "are counted under the first reason that kept them out: user code failed "
+            "(`user_errors`), the judge failed (`judge_failed`), or too stale "
+            "(`masked_stale`)."]
 
 
 def _table(rows: list[AttributionRow], a: Analysis, by_cause: bool) -> list[str]:
     head = "| domain | cause |" if by_cause else "| domain |"
-    lines = [head + " failures | share | mean recovery | not restarted | goodput cost | "
+    lines = [head + " failures | share | mean recovery | not restarted | time lost | "
              "% of RL wall time |", "|---" * (8 if by_cause else 7) + "|"]
     for r in rows:
         cause = f" {r.cause.value if r.cause else ''} |" if by_cause else ""
@@ -483,11 +518,11 @@ def _table(rows: list[AttributionRow], a: Analysis, by_cause: bool) -> list[str]
                      f"{_secs(r.mean_recovery_s)} | {r.unrecovered} | {_secs(r.cost_s)} | "
                      f"{_pct(r.cost_pct)} |")
     recoveries = [x for f in a.failures if (x := f.recovery_s) is not None]
-    cost = sum(a.goodput.costs)
+    cost = sum(a.lost.costs)
     lines.append(f"| **all** |{' |' if by_cause else ''} {len(a.failures)} | 100.0% | "
                  f"{_secs(sum(recoveries) / len(recoveries) if recoveries else None)} | "
                  f"{len(a.failures) - len(recoveries)} | {_secs(cost)} | "
-                 f"{_pct(100 * cost / a.goodput.rl_wall_s if a.goodput.rl_wall_s else None)} |")
+                 f"{_pct(100 * cost / a.lost.rl_wall_s if a.lost.rl_wall_s else None)} |")
     return lines
 
 
@@ -495,7 +530,7 @@ DEFINITIONS = (
     "A failure is an abnormal exit, a start error or a hang in `events.jsonl` (a hang and "
     "the kill that answers it count once). Recovery time runs from the failure to the next "
     "start of the same child; a child not started again before the run ended counts under "
-    "*not restarted* and not in the mean. Goodput cost: an RL step's window is the wall time "
+    "*not restarted* and not in the mean. Time lost: an RL step's window is the wall time "
     "since the previous RL step was recorded (the first step's own `step_s`); a step whose "
     "window holds failures cost the excess of its window over the median window of the "
     "failure-free steps ({baseline}), clipped at 0 and split equally among its failures. "
@@ -510,15 +545,14 @@ def _attribution(data: RunData, a: Analysis) -> list[str]:
     out = [f"**{share_line(a.domains)}** of {len(a.failures)} failure(s).", "",
            *_table(a.rows, a, by_cause=True), "", "By domain:", "",
            *_table(a.domains, a, by_cause=False), "",
-           DEFINITIONS.format(baseline=_secs(a.goodput.baseline_s),
-                              outside=a.goodput.outside),
+           DEFINITIONS.format(baseline=_secs(a.lost.baseline_s), outside=a.lost.outside),
            "", "### Failures", "",
-           "| # | at (s) | child | cause | recovery | goodput cost | reason |",
+           "| # | at (s) | child | cause | recovery | time lost | reason |",
            "|---|---|---|---|---|---|---|"]
     for i, f in enumerate(a.failures[:MAX_FAILURE_ROWS]):
         recovery = _secs(f.recovery_s) if f.recovered_at is not None else "not restarted"
         out.append(f"| {i} | {a.at(f.time):.2f} | `{f.path}` | {f.cause.value} | {recovery} "
-                   f"| {_secs(a.goodput.costs[i])} | {_cell(f.reason)} |")
+                   f"| {_secs(a.lost.costs[i])} | {_cell(f.reason)} |")
     if len(a.failures) > MAX_FAILURE_ROWS:
         out.append(f"\n({len(a.failures) - MAX_FAILURE_ROWS} more not listed.)")
     return out

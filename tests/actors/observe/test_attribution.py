@@ -14,10 +14,10 @@ from erlay.actors.observe.attribution import (
     domain_rows,
     exit_cause,
     failures_from_events,
-    goodput_costs,
     job_start,
     share_line,
     step_windows,
+    time_lost,
     whole_percents,
 )
 from erlay.supervisor.events import EventKind, SupervisorEvent
@@ -49,14 +49,14 @@ def multi_domain_events() -> list[SupervisorEvent]:
 
 def test_two_generation_kills_and_a_sandbox_hang_split_67_33() -> None:
     failures = failures_from_events(multi_domain_events())
-    goodput = goodput_costs(failures, [], T0)
-    domains = domain_rows(failures, goodput)
+    lost = time_lost(failures, [], T0)
+    domains = domain_rows(failures, lost)
     assert [(r.domain, r.failures) for r in domains] == [("generation", 2), ("sandbox", 1)]
     assert share_line(domains) == "generation 67%, sandbox 33%"
     assert domains[0].share_pct == pytest.approx(200 / 3)
     assert domains[0].mean_recovery_s == pytest.approx(4.0)  # (2 + 6) / 2
     assert domains[1].mean_recovery_s == pytest.approx(3.0)  # from the hang, not the kill
-    rows = attribution_rows(failures, goodput)
+    rows = attribution_rows(failures, lost)
     assert [(r.domain, r.cause, r.failures) for r in rows] == [
         ("generation", Cause.KILLED, 1), ("generation", Cause.ERROR, 1),
         ("sandbox", Cause.HANG, 1)]
@@ -85,7 +85,7 @@ def test_failure_never_restarted_is_unrecovered_and_left_out_of_the_mean() -> No
               ev(5, GEN, "engine-0", "exit", "lost: node died")]
     failures = failures_from_events(events)
     assert [f.recovery_s for f in failures] == [pytest.approx(1.0), None]
-    (row,) = domain_rows(failures, goodput_costs(failures, [], T0))
+    (row,) = domain_rows(failures, time_lost(failures, [], T0))
     assert row.mean_recovery_s == pytest.approx(1.0) and row.unrecovered == 1
 
 
@@ -138,32 +138,32 @@ def failure(t: float, domain: str = "generation", cause: Cause = Cause.KILLED) -
     return Failure(T0 + t, "erlay/" + domain, "c", domain, cause, cause.value, T0 + t + 1)
 
 
-def test_goodput_cost_is_the_excess_over_the_median_clean_step_split_equally() -> None:
+def test_time_lost_is_the_excess_over_the_median_clean_step_split_equally() -> None:
     # Windows of 1, 1, 1, 4 (holding two failures) and 2 s: the clean median is 1 s.
     windows = step_windows([rl(10, 0), rl(11, 1), rl(12, 2), rl(16, 3), rl(18, 4)], T0)
     failures = [failure(13), failure(14, "sandbox", Cause.HANG), failure(2)]
-    goodput = goodput_costs(failures, windows, T0)
-    assert goodput.baseline_s == pytest.approx(1.0)
-    assert goodput.costs == pytest.approx((1.5, 1.5, 0.0))
-    assert (goodput.steps_hit, goodput.outside) == (1, 1)
-    assert goodput.rl_wall_s == pytest.approx(9.0)
-    rows = {r.domain: r for r in domain_rows(failures, goodput)}
+    lost = time_lost(failures, windows, T0)
+    assert lost.baseline_s == pytest.approx(1.0)
+    assert lost.costs == pytest.approx((1.5, 1.5, 0.0))
+    assert (lost.steps_hit, lost.outside) == (1, 1)
+    assert lost.rl_wall_s == pytest.approx(9.0)
+    rows = {r.domain: r for r in domain_rows(failures, lost)}
     assert rows["sandbox"].cost_s == pytest.approx(1.5)
     assert rows["sandbox"].cost_pct == pytest.approx(100 * 1.5 / 9)
 
 
 def test_a_failure_on_a_window_boundary_belongs_to_the_step_that_ends_there() -> None:
     windows = step_windows([rl(10, 0), rl(11, 1), rl(14, 2)], T0)
-    goodput = goodput_costs([failure(11)], windows, T0)
-    assert goodput.costs == (0.0,)  # step 1 (10, 11] is exactly the clean median
-    assert goodput.steps_hit == 1
+    lost = time_lost([failure(11)], windows, T0)
+    assert lost.costs == (0.0,)  # step 1 (10, 11] is exactly the clean median
+    assert lost.steps_hit == 1
 
 
 def test_when_every_step_failed_the_smallest_window_is_the_baseline() -> None:
     windows = step_windows([rl(10, 0, 2.0), rl(13, 1)], T0)
-    goodput = goodput_costs([failure(9), failure(12)], windows, T0)
-    assert goodput.baseline_s == pytest.approx(2.0)
-    assert goodput.costs == pytest.approx((0.0, 1.0))
+    lost = time_lost([failure(9), failure(12)], windows, T0)
+    assert lost.baseline_s == pytest.approx(2.0)
+    assert lost.costs == pytest.approx((0.0, 1.0))
 
 
 def test_job_start_prefers_metrics_then_a_recorded_start_then_the_first_event() -> None:

@@ -103,6 +103,11 @@ def test_recorded_engine_kill_is_attributed_to_generation(tmp_path: Path) -> Non
     assert "| RL steps | 8 of 8 planned (steps 0–7) |" in text
     assert "| job start (time zero) | chaos-report.json started_at |" in text
     assert "| status | finished (summary.md)" in text
+    assert "| time lost to failures | 4.29 s (60.0% of RL wall time) |" in text
+    # Recorded before goodput was defined: no trained_tokens, so no goodput is made up.
+    assert ("| goodput | — (metrics.jsonl records no trained_tokens: a run from before "
+            "goodput was defined) |") in text
+    assert "goodput cost" not in text
     assert images(tmp_path / "report.md") == ["reward.png", "throughput.png", "restarts.png"]
     assert "No generation latency was recorded" in text
     assert not (tmp_path / "gen_latency.png").exists()
@@ -119,6 +124,31 @@ def test_multi_domain_run_reads_generation_67_sandbox_33(tmp_path: Path) -> None
     assert "| **all** | 3 | 100.0% | 2.00 s | 1 | 5.00 s | 45.5% |" in text
     assert "| 2 | 12.00 | `erlay/sandbox/host@node-0/sandbox-1` | hang | not restarted |" in text
     assert "| job start (time zero) | metrics.jsonl started_at |" in text
+
+
+def test_goodput_is_trained_tokens_over_rl_wall_time_each_step_once(tmp_path: Path) -> None:
+    # Four 1 s windows; step 1 was fed again after a rewind, so its second record wins.
+    metrics = [rl(0, 5.0, trained_tokens=100, user_errors=1, judge_failed=0, masked_stale=2),
+               rl(1, 6.0, trained_tokens=50, user_errors=0, judge_failed=1, masked_stale=0),
+               rl(1, 7.0, trained_tokens=60, user_errors=0, judge_failed=2, masked_stale=0),
+               rl(2, 8.0, trained_tokens=40, user_errors=0, judge_failed=0, masked_stale=0,
+                  goodput=40.0, time_efficiency=0.9, lost_s=0.0)]
+    text = report_of(make_run(tmp_path / "run", metrics, []), tmp_path / "out")
+    assert "| RL wall time | 4.0 s (the sum of the step windows) |" in text
+    assert ("| goodput | 50.0 tokens/s (200 trained tokens / 4.0 s RL wall time) |") in text
+    assert ("| samples not trained | 5 (user_errors 1, judge_failed 2, masked_stale 2) |"
+            in text)
+    assert "| job-reported (last RL step) | time_efficiency=0.9, lost_s=0.0 |" in text
+    assert "Goodput is tokens of samples the learner trained on (inside the staleness" in text
+
+
+def test_an_old_runs_goodput_fraction_is_shown_as_time_efficiency(tmp_path: Path) -> None:
+    metrics = [rl(0, 5.0, judge_marked=3, dropped=4, goodput=0.857, lost_s=0.5)]
+    text = report_of(make_run(tmp_path / "run", metrics, []), tmp_path / "out")
+    assert "| job-reported (last RL step) | time_efficiency=0.857, lost_s=0.5 |" in text
+    assert ("| samples not trained | 4 (user_errors 0, judge_failed 3, masked_stale 1) |"
+            in text)
+    assert "| goodput | — (metrics.jsonl records no trained_tokens" in text
 
 
 def test_crashed_run_with_a_torn_line_and_no_summary_still_reports(tmp_path: Path) -> None:
@@ -144,7 +174,7 @@ def test_empty_metrics_and_no_events_degrade_to_notes(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run", metrics=[], events=None, summary=False)
     text = report_of(run, tmp_path / "out")
     assert "- metrics.jsonl holds no records: no reward, throughput or goodput figures." in text
-    assert "- no events.jsonl: failures, recovery times and goodput cost cannot be" in text
+    assert "- no events.jsonl: failures, recovery times and time lost cannot be" in text
     assert "No supervisor events were read, so there are no failures to attribute." in text
     assert "No RL step recorded a reward_mean: no reward curve." in text
     assert "| RL steps | 0 of 6 planned |" in text
