@@ -376,7 +376,7 @@ class Job:
 
     def _append_attribution(self) -> None:
         """The failure-attribution table (by domain and cause, with recovery times and
-        goodput cost) at the end of summary.md; ``erlay report`` has the full report."""
+        time lost) at the end of summary.md; ``erlay report`` has the full report."""
         from erlay.actors.observe.report import attribution_section
         try:
             lines = attribution_section(self.run_dir.path)
