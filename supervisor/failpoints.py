@@ -62,6 +62,9 @@ ENV_VAR = "ERLAY_FAILPOINTS"
 KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "judge.score",
          "judge.verdict", "learner.train_step", "learner.checkpoint", "rollout.dispatch",
          "host.spawn",
+         # The steps of a checkpoint's commit (actors/learner/checkpoint_commit.py).
+         "learner.checkpoint_before_swap", "learner.checkpoint_mid_swap",
+         "learner.checkpoint_after_swap", "learner.checkpoint_before_cleanup",
          # Faults of user code, fired where erlay calls it, inside its guard: raise is the
          # user's exception, hang the user's hang, corrupt a bad return.
          "environment.call", "judge.user_code")

@@ -11,10 +11,17 @@ Contracts:
   with the recorded sizes.  The worker writes into ``root/.tmp-step-XXXXXXXX-<nonce>/``:
   ``state.pt`` (``torch.save``, fsynced), then the manifest (sizes, sha256, ``extra``,
   fsynced), then fsyncs the directory.  Only the trainer, when it finalizes a finished save,
-  renames the directory into place (``os.rename`` is atomic) and fsyncs ``root``.  A crash at
-  any point leaves either the old set of checkpoints or the old set plus the new one, never a
-  half-written ``step-*``; leftover ``.tmp-*`` directories are ignored, and removed when the
-  next checkpointer starts on that root.
+  commits the directory into place and fsyncs ``root``
+  (:mod:`~erlay.actors.learner.checkpoint_commit`).  A crash at any point leaves either the
+  old set of checkpoints or the old set plus the new one, never a half-written ``step-*``;
+  leftover ``.tmp-*`` directories are ignored, and removed when the next checkpointer starts
+  on that root.
+- **A re-save never loses the step.** Saving a step that already has a checkpoint (a run
+  resumed before it) swaps the new directory in and only then removes the old one, so at
+  every instant the step has a complete checkpoint, the old or the new: an atomic
+  ``renameat2(RENAME_EXCHANGE)`` on Linux, elsewhere two renames with the old directory
+  aside (``.old-step-XXXXXXXX-<nonce>``) in between, which readers take for the step while
+  its final name is missing and the next checkpointer renames back.
 - **What save() costs the caller.** The worker is another process, so tensors reach it
   through shared memory.  :meth:`~AsyncCheckpointer.save` copies every tensor of the state
   into one reusable shared-memory staging buffer (a memcpy into pages that are already
@@ -66,11 +73,11 @@ import torch
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from torch import distributed as dist
 
+from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root
 from erlay.actors.learner.checkpoint_format import (
     TMP_PREFIX,
     CheckpointInfo,
     CheckpointInvalid,
-    fsync_dir,
     latest,
     list_checkpoints,
     load,
@@ -79,6 +86,7 @@ from erlay.actors.learner.checkpoint_format import (
     write_checkpoint_dir,
 )
 from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.failpoints import FailpointError
 
 __all__ = ["AsyncCheckpointer", "CheckpointInfo", "CheckpointInvalid", "CheckpointSaveFailed",
            "ensure_process_group", "latest", "list_checkpoints", "load"]
@@ -286,8 +294,10 @@ class AsyncCheckpointer:
     """Saves learner states under ``root`` in the background, keeping the newest ``keep``.
 
     See the module docstring for the contracts.  Methods are meant for one thread (the
-    training loop).  Leftover ``.tmp-*`` directories under ``root`` are removed on
-    construction, so only one checkpointer may use a root at a time.
+    training loop).  Construction puts ``root`` back in order after a crash
+    (:func:`~erlay.actors.learner.checkpoint_commit.recover_root`: leftovers removed, an
+    interrupted re-save's old checkpoint renamed back), so only one checkpointer may use a
+    root at a time.
     """
 
     def __init__(self, root: Path, keep: int = 3) -> None:
@@ -296,10 +306,7 @@ class AsyncCheckpointer:
         self.root = Path(root)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
-        for entry in self.root.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
-                log.info("removing %s, left by an interrupted save", entry)
-                shutil.rmtree(entry, ignore_errors=True)
+        recover_root(self.root)
         self._calls: AsyncCallsQueue | None = None
         self._staging = _StagingBuffer()
         self._inflight: _InFlight | None = None
@@ -448,7 +455,8 @@ class AsyncCheckpointer:
 
     def _commit(self, step: int, tmp: Path) -> None:
         """Finalization, run by the library in this process once the worker is done:
-        rename the finished directory into place, then apply retention.  Any failure is a
+        commit the finished directory into place (:func:`commit_dir`), then apply
+        retention.  Any failure, a commit failpoint's ``raise`` included, is a
         :class:`CheckpointSaveFailed` (the library has already dropped the request, so
         anything else would leave this checkpointer waiting for it) and removes ``tmp``."""
         try:
@@ -459,21 +467,9 @@ class AsyncCheckpointer:
                 read_manifest(tmp, step)
             except CheckpointInvalid as exc:
                 raise CheckpointSaveFailed(step, exc.reason) from exc
-            final = self.root / step_dir_name(step)
-            if final.exists():
-                # Saving a step again (a run resumed before it) replaces the old checkpoint,
-                # moved to a .tmp- name first so that a crash between the renames loses
-                # nothing that counted.
-                aside = self.root / f"{TMP_PREFIX}replaced-{final.name}-{secrets.token_hex(4)}"
-                os.rename(final, aside)
-                shutil.rmtree(aside, ignore_errors=True)
-            os.rename(tmp, final)
-            try:
-                fsync_dir(self.root)
-            except OSError:
-                os.rename(final, tmp)  # not known to be durable: not committed
-                raise
-        except OSError as exc:
+            # A step saved again (a run resumed before it) replaces its old checkpoint.
+            commit_dir(tmp, self.root / step_dir_name(step))
+        except (OSError, FailpointError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointSaveFailed(step, f"finalizing failed: {exc}") from exc
         except CheckpointSaveFailed:

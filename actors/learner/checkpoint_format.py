@@ -7,7 +7,10 @@ the state) and ``manifest.json``: format, step, creation time, each file's size 
 and ``extra`` (small JSON metadata such as a journal snapshot name).  It is complete exactly
 when the manifest is valid, names the directory's step, and every file it lists exists with
 the recorded size.  Directories are written under a ``.tmp-`` name and renamed into place
-only once complete, so a reader never needs to know about writers.
+only once complete (:mod:`erlay.actors.learner.checkpoint_commit`).  A reader needs to know
+one thing about writers: where a re-save cannot swap directories atomically, the old
+checkpoint is renamed aside to ``.old-step-XXXXXXXX-<nonce>`` for a moment, and while
+``step-XXXXXXXX`` is missing that aside *is* the step's checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ CHECKPOINT_FORMAT = 1
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 TMP_PREFIX = ".tmp-"
+ASIDE_PREFIX = ".old-"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_ASIDE_DIR = re.compile(r"^\.old-(step-\d{8,})-[0-9a-f]+$")
 
 
 class CheckpointInvalid(ErlayError):
@@ -65,6 +70,25 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of_dir(name: str) -> int:
+    """The step of the final directory name ``step-XXXXXXXX``; ValueError for other names."""
+    match = _STEP_DIR.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a checkpoint directory name")
+    return int(match.group(1))
+
+
+def aside_name(final_name: str, nonce: str) -> str:
+    """Where a re-save puts the old ``final_name`` directory when it cannot swap atomically."""
+    return f"{ASIDE_PREFIX}{final_name}-{nonce}"
+
+
+def aside_target(name: str) -> str | None:
+    """The final directory name that the aside ``name`` stands in for, or None."""
+    match = _ASIDE_DIR.match(name)
+    return match.group(1) if match is not None else None
+
+
 def read_manifest(path: Path, step: int | None = None) -> dict[str, Any]:
     """The manifest of the checkpoint directory ``path``, checked against the files on disk
     (existence and sizes, not checksums).  Raises :class:`CheckpointInvalid`."""
@@ -92,21 +116,33 @@ def read_manifest(path: Path, step: int | None = None) -> dict[str, Any]:
 
 
 def list_checkpoints(root: Path) -> list[CheckpointInfo]:
-    """The complete checkpoints under ``root``, oldest step first.  Anything else there
-    (``.tmp-*`` directories, ``step-*`` directories without a valid manifest) is ignored."""
+    """The complete checkpoints under ``root``, oldest step first, at most one per step.
+
+    A step's checkpoint is its ``step-*`` directory; only while that name is missing, a
+    complete aside of it (module docstring) counts instead.  Anything else there (``.tmp-*``
+    directories, asides of steps whose directory exists, directories without a valid
+    manifest) is ignored."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match is None or not entry.is_dir():
+    entries = sorted(root.iterdir())
+    names = {entry.name for entry in entries}
+    found: list[CheckpointInfo] = []
+    steps: set[int] = set()
+    for entry in entries:
+        name = entry.name
+        target = aside_target(name)
+        if target is not None and target not in names:
+            name = target  # the final name is missing: a re-save was cut between renames
+        match = _STEP_DIR.match(name)
+        if match is None or not entry.is_dir() or int(match.group(1)) in steps:
             continue
         try:
             manifest = read_manifest(entry, int(match.group(1)))
         except CheckpointInvalid as exc:
             log.warning("ignoring incomplete checkpoint: %s", exc)
             continue
+        steps.add(manifest["step"])
         found.append(CheckpointInfo(step=manifest["step"], path=entry, files=manifest["files"],
                                     extra=manifest.get("extra") or {},
                                     created_unix=float(manifest.get("created_unix", 0.0))))
