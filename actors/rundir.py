@@ -11,7 +11,7 @@
         journal/, checkpoints/   the rollout journal and the learner's checkpoints
         report/          ``erlay report``'s Markdown and plots, when asked for
 
-May import: erlay.supervisor.
+May import: erlay.supervisor, erlay.actors.observe.goodput (pure: goodput's one definition).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from erlay.actors.observe.goodput import not_trained, trained_tokens
 from erlay.supervisor.events import EventKind, read_events
 
 
@@ -141,6 +142,7 @@ class RunDir:
         start, end = reward_window(rewards)
         samples = sum(m["samples"] for m in steps)
         tokens = sum(m["gen_tokens"] for m in steps)
+        dropped = not_trained(steps)
         events = read_events(self.events) if self.events.exists() else []
         restarts = Counter(_domain(e.supervisor) for e in events
                            if e.context is EventKind.RESTART)
@@ -151,9 +153,9 @@ class RunDir:
                   f"- reward: {start:.3f} (first 10% of steps) -> {end:.3f} (last 10%)",
                   f"- samples: {samples} ({samples / wall_s:.1f}/s)" if wall_s else "",
                   f"- generated tokens: {tokens}",
-                  f"- samples not trained on: {sum(m.get('judge_marked', 0) for m in steps)} "
-                  f"judge-failed, {sum(m.get('user_errors', 0) for m in steps)} failed by "
-                  f"user code (left out of the reward)",
+                  f"- trained tokens: {trained_tokens(steps)} (each RL step once)",
+                  f"- samples not trained: {sum(dropped.values())} ("
+                  + ", ".join(f"{kind} {n}" for kind, n in dropped.items()) + ")",
                   f"- sandbox calls: {steps[-1]['sandbox_calls'] if steps else 0}",
                   f"- restarts: {sum(restarts.values())}"]
         if restarts:
