@@ -158,7 +158,15 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenChunk:
-    """A piece of one request's stream, all produced by one policy version."""
+    """A piece of one request's stream, all produced by one policy version.
+
+    ``prefill_tokens`` is bookkeeping, not content (equality ignores it): the context tokens
+    (``prompt_ids + prefix_ids``, and any tokens generated before a re-prefill) the engine
+    computed in prefill for this request since its previous chunk, less what a prefix cache
+    already held.  A request's first chunk carries its admission's prefill; a later chunk
+    carries a prefill again only after a weight update made the engine prefill it anew.  It
+    is how a caller learns what a resumed request cost the engine that took it over.
+    """
 
     request_id: str
     start: int                    # completion position of token_ids[0]
@@ -167,6 +175,7 @@ class TokenChunk:
     version: int                  # policy version whose weights produced these tokens
     finished: bool = False
     finish_reason: str | None = None  # a FinishReason value when finished
+    prefill_tokens: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))

@@ -83,6 +83,9 @@ class Sequence:
         # The next token and its logprob, already chosen by a speculative verification (the
         # rejection rule's residual draw); the batch records it instead of sampling.
         self.forced: tuple[int, float] | None = None
+        # Context tokens prefilled since the last chunk: reported on the next one
+        # (TokenChunk.prefill_tokens), so a caller learns what admitting it cost.
+        self.prefill_unreported = 0
         if request.prefix_ids and request.prefix_ids[-1] in request.stop_ids:
             # The completion already ended before the interruption; nothing left to generate.
             self.finish_reason = FinishReason.STOP
@@ -137,9 +140,10 @@ class Sequence:
         chunk = TokenChunk(self.request_id, self.chunk_start,
                            tuple(self.completion[self.chunk_start:]),
                            tuple(self._unstreamed_logprobs), version, self.finished,
-                           self.finish_reason)
+                           self.finish_reason, prefill_tokens=self.prefill_unreported)
         self.chunk_start = len(self.completion)
         self._unstreamed_logprobs = []
+        self.prefill_unreported = 0
         self.closed = self.finished
         return chunk
 
@@ -194,7 +198,10 @@ class DecodeBatch:
             return
         if any(s.finished for s in seqs):
             raise ValueError("a finished sequence cannot be admitted")
-        tokens, positions, mask = left_pad([s.context for s in seqs])
+        contexts = [s.context for s in seqs]
+        for seq, context in zip(seqs, contexts, strict=True):
+            seq.prefill_unreported += len(context)   # no prefix cache: all of it
+        tokens, positions, mask = left_pad(contexts)
         hidden, cache = self.model.hidden(tokens, positions, mask)
         next_hidden = hidden[:, -1]
         next_logits = self.model.head(next_hidden)

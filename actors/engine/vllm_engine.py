@@ -103,6 +103,7 @@ class _Request:
     cut: bool = False                                       # cut by a weight update
     aborted: bool = False                                   # aborted by a caller
     done: bool = False
+    prefill_unreported: int = 0   # prefilled, not yet on a chunk (TokenChunk.prefill_tokens)
 
 
 class VllmEngine:
@@ -365,14 +366,19 @@ class VllmEngine:
                     temperature=r.temperature, seed=segment_seed(r.seed, start), logprobs=0,
                     stop_token_ids=list(r.stop_ids), ignore_eos=True, detokenize=False,
                     skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
-                prompt = TokensPrompt(prompt_token_ids=list(r.context_ids) + req.generated)
+                context = list(r.context_ids) + req.generated
+                prompt = TokensPrompt(prompt_token_ids=context)
                 self._counters["waves"] += 1
                 self._set_phase()
                 tokens: list[int] = []
                 logprobs: list[float] = []
                 reason: str | None = None
+                first = True
                 async for out in self._llm.generate(prompt, params, req.segment):
                     self.progress.tick()
+                    if first:   # the segment's prefill is done: what it computed, vLLM says
+                        first = False
+                        req.prefill_unreported += len(context) - int(out.num_cached_tokens or 0)
                     self._counters["decode_steps"] += 1
                     completion = out.outputs[0]
                     for tid, lps in zip(completion.token_ids, completion.logprobs or (),
@@ -412,12 +418,15 @@ class VllmEngine:
             self._counters[key] += 1
         req.queue.put_nowait(TokenChunk(req.request.request_id, start, tuple(tokens),
                                         tuple(logprobs), version, finish is not None,
-                                        None if finish is None else str(finish)))
+                                        None if finish is None else str(finish),
+                                        prefill_tokens=req.prefill_unreported))
+        req.prefill_unreported = 0
 
     def _final(self, req: _Request, finish: FinishReason) -> TokenChunk:
         start = len(req.request.prefix_ids) + len(req.generated)
+        prefill, req.prefill_unreported = req.prefill_unreported, 0
         return TokenChunk(req.request.request_id, start, (), (), self._version, True,
-                          str(finish))
+                          str(finish), prefill_tokens=prefill)
 
     async def _abort(self, req: _Request) -> None:
         req.aborted = True

@@ -53,6 +53,12 @@ def test_chunk_round_trips_and_keeps_finish_reason_a_plain_string() -> None:
     assert chunk.end == 5
 
 
+def test_chunk_prefill_travels_on_the_wire_but_two_chunks_of_equal_tokens_are_equal() -> None:
+    chunk = TokenChunk("r", 0, (5,), (-1.0,), 0, prefill_tokens=12)
+    assert TokenChunk.from_dict(json.loads(json.dumps(chunk.to_dict()))).prefill_tokens == 12
+    assert chunk == TokenChunk("r", 0, (5,), (-1.0,), 0)
+
+
 def test_chunk_with_mismatched_logprobs_is_refused() -> None:
     with pytest.raises(ValueError, match="logprobs"):
         TokenChunk("r", 0, (5, 6), (-1.0,), 0)

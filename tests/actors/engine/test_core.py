@@ -152,6 +152,33 @@ def test_chunks_are_contiguous_bounded_and_end_with_one_final_chunk(model: Polic
     assert [t for c in chunks for t in c.token_ids] == seq.completion[2:]
 
 
+def test_first_chunk_reports_the_prefill_of_prompt_and_prefix_and_later_chunks_none(
+        model: PolicyModel) -> None:
+    seq = Sequence(request("p", 4, 6, 2, chunk_tokens=2, prefix_ids=(5, 6, 7)))
+    batch = DecodeBatch(model)
+    batch.admit([seq])
+    chunks = []
+    while batch.rows:
+        batch.step()
+        if (chunk := seq.take_chunk(0)) is not None:
+            chunks.append(chunk)
+    assert [c.prefill_tokens for c in chunks] == [4 + 3, 0, 0]
+
+
+def test_a_re_admitted_sequence_reports_its_second_prefill_on_its_next_chunk(
+        model: PolicyModel) -> None:
+    seq = Sequence(request("w", 5, 8, 3, chunk_tokens=1))
+    batch = DecodeBatch(model)
+    batch.admit([seq])
+    batch.step()
+    first = seq.take_chunk(0)
+    batch.admit(batch.release())   # what a weight update does: prefill again, now 5 + 1
+    batch.step()
+    second = seq.take_chunk(0)
+    assert first is not None and second is not None
+    assert (first.prefill_tokens, second.prefill_tokens) == (5, 6)
+
+
 def test_prefix_ending_in_a_stop_token_is_finished_at_once() -> None:
     seq = Sequence(GenerationRequest("p", (4, 5), 10, 0, prefix_ids=(7, 2)))
     chunk = seq.take_chunk(0)
