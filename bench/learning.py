@@ -12,6 +12,19 @@ metrics) divided by samples/s with the default exporters on (spans and metrics t
 Ray metrics, 2% of rollouts traced end to end), over short jobs run alternately off/on, the
 median of the pairs.  Both use the same seeds and the same work per step; which policy version
 makes which token depends on timing (one-step off-policy), so their tokens may differ.
+
+``gen_train_overlap`` is the share of the RL wall time during which generation and training
+both ran: the measure of (union of the steps' generation windows) ∩ (union of their training
+windows), over the time from the first window's start to the last window's end.  The
+coordinator writes each RL step's ``gen_window`` (the step's first rollout dispatched to its
+last rollout finished) and ``train_window`` (the train call sent to the new weights
+published) into metrics.jsonl, in wall-clock seconds.  0 means the phases strictly
+alternated, 1 that both ran all the time.  ``gen_busy`` and ``train_busy`` are each union's
+share of the same wall time.  (Before issue 16 it was (generation + training seconds) /
+step seconds, which counts time twice whenever two steps' generation overlap.)
+
+``load_avg_at_end`` is the machine's 1/5/15-minute load average when the benchmark ended:
+the load the figures were measured under.
 """
 
 from __future__ import annotations
@@ -19,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +54,56 @@ def run_job(config: Path, overrides: list[str], parent: Path, name: str) -> tupl
     return result, run_dir
 
 
+Window = tuple[float, float]   # wall-clock seconds, start <= end
+
+
+def union(windows: Iterable[Sequence[float]]) -> list[Window]:
+    """The disjoint, sorted windows covering exactly the time some window of ``windows``
+    covers.  Empty and reversed windows cover nothing."""
+    merged: list[Window] = []
+    for start, end in sorted((float(a), float(b)) for a, b in windows if b > a):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def covered_s(windows: Iterable[Sequence[float]]) -> float:
+    """Seconds covered by at least one of ``windows`` (overlaps counted once)."""
+    return sum(end - start for start, end in union(windows))
+
+
+def both_s(a: Iterable[Sequence[float]], b: Iterable[Sequence[float]]) -> float:
+    """Seconds during which some window of ``a`` and some window of ``b`` are both open."""
+    ua, ub = union(a), union(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(ua) and j < len(ub):
+        total += max(0.0, min(ua[i][1], ub[j][1]) - max(ua[i][0], ub[j][0]))
+        if ua[i][1] < ub[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def gen_train_overlap(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """``gen_train_overlap``, ``gen_busy`` and ``train_busy`` of RL step records (see the
+    module docstring): shares of the wall time from the first window's start to the last
+    window's end.  Steps without windows (recovered steps, run directories from before the
+    windows were recorded) are left out; all three are None when no step has both."""
+    timed = [m for m in steps if m.get("gen_window") and m.get("train_window")]
+    gen = [m["gen_window"] for m in timed]
+    train = [m["train_window"] for m in timed]
+    edges = [t for w in gen + train for t in w]
+    wall = max(edges) - min(edges) if edges else 0.0
+    if wall <= 0:
+        return {"gen_train_overlap": None, "gen_busy": None, "train_busy": None}
+    return {"gen_train_overlap": round(both_s(gen, train) / wall, 3),
+            "gen_busy": round(covered_s(gen) / wall, 3),
+            "train_busy": round(covered_s(train) / wall, 3)}
+
+
 def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
     steps = run_dir.rl_steps()
     rewards = [m["reward_mean"] for m in steps if m.get("reward_mean") is not None]
@@ -46,13 +111,12 @@ def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
     rl_s = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"] if steps else 0.0
     samples = sum(m["samples"] for m in steps)
     tokens = sum(m["gen_tokens"] for m in steps)
-    busy = sum(m["gen_s"] + m["train_s"] for m in steps)
     return {
         "reward_start": round(start, 4), "reward_end": round(end, 4), "steps": len(steps),
         "wall_s": round(wall_s, 1), "samples_per_s": round(samples / rl_s, 1),
         "gen_tokens_per_s": round(tokens / rl_s, 1),
         "sandbox_calls": steps[-1]["sandbox_calls"] if steps else 0,
-        "gen_train_overlap": round(busy / sum(m["step_s"] for m in steps), 3),
+        **gen_train_overlap(steps),
     }
 
 
@@ -67,17 +131,22 @@ def rl_samples_per_s(run_dir: RunDir) -> float:
 
 
 def telemetry_overhead(config: Path, parent: Path, pairs: int) -> dict[str, Any]:
-    ratios = []
+    """The telemetry pairs; their ``gen_train_overlap`` too, a spread for the main job's
+    (same config, 60 RL steps each)."""
+    ratios, overlaps = [], []
     for i in range(pairs):
         _, off = run_job(config, [*OVERHEAD_OVERRIDES, *TELEMETRY_OFF], parent, f"off-{i}")
         _, on = run_job(config, OVERHEAD_OVERRIDES, parent, f"on-{i}")
         ratios.append(rl_samples_per_s(off) / rl_samples_per_s(on))
+        overlaps += [gen_train_overlap(d.rl_steps())["gen_train_overlap"] for d in (off, on)]
         spans = sum(1 for f in (on.path / "telemetry").glob("spans-*.jsonl")
                     for _ in f.open())
     ratios.sort()
+    measured = sorted(o for o in overlaps if o is not None)
     return {"telemetry_overhead": round(ratios[len(ratios) // 2], 3),
             "telemetry_overhead_pairs": [round(r, 3) for r in ratios],
-            "telemetry_spans_per_job": spans}
+            "telemetry_spans_per_job": spans,
+            "short_jobs_gen_train_overlap": measured}
 
 
 def main() -> None:
@@ -98,6 +167,7 @@ def main() -> None:
         out["tool_use_sandbox_calls"] = figures(tool_dir, 1.0)["sandbox_calls"]
     if args.overhead_pairs > 0:
         out.update(telemetry_overhead(Path(args.config), parent, args.overhead_pairs))
+    out["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     targets = {"reward_end": ">= 0.9", "wall_s": "<= 600", "telemetry_overhead": "<= 1.03",
                "reward_start": f"reward_end - reward_start >= 0.3 "
                                f"(measured {out['reward_end'] - out['reward_start']:.3f})"}
