@@ -9,9 +9,14 @@ Durability contract.  When ``record`` returns, the record has been written to th
 Python buffer is flushed on every record), so a *process* crash, SIGKILL included, loses
 nothing already recorded.  fsync only matters for a *machine* crash and follows
 :class:`FsyncPolicy`: ``always`` fsyncs every record; ``batch`` fsyncs at the record that
-reaches ``every_records`` unsynced records or comes ``every_s`` after the last fsync (there
-is no timer: a quiet journal waits for its next record, ``flush`` or ``close``); ``never``
-fsyncs only in ``flush``, ``close``, segment rolls and snapshots, which fsync in every mode.
+reaches ``every_records`` unsynced records or comes ``every_s`` after the last fsync, and a
+timer thread fsyncs what is left ``every_s`` after the last fsync, so every record is on disk
+within ``every_s`` of being recorded even when no record follows it (``unsynced`` counts
+those still waiting); ``never`` fsyncs only in ``flush``, ``close``, segment rolls and
+snapshots, which fsync in every mode.  The timer follows the journal's clock, ends with
+``close`` (which fsyncs), and holds the journal only weakly, so a journal dropped without
+``close`` is still collected and releases its lock.  An fsync that fails on the timer fails
+the journal: later records raise :class:`JournalClosed`, as after a failed write.
 
 On disk, under one directory::
 
@@ -51,6 +56,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +93,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("erlay.journal")
+
+# The longest an fsync timer sleeps before it looks again whether its journal still exists
+# (and, under a fake clock, whether time has moved).
+_TIMER_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,8 @@ class Journal:
         self._size = recovered.last_size
         self._unsynced = 0
         self._last_sync = clock.monotonic()
+        self._wake = threading.Condition(self._lock)  # wakes the fsync timer
+        self._timer: threading.Thread | None = None
         self._since_snapshot = recovered.report.records_replayed
         self._position: JournalPosition | None = None
         self._keep_from_step: int | None = None
@@ -228,6 +240,11 @@ class Journal:
             self._snapshot_locked()
         else:
             self._apply_retention()
+        if self.fsync_policy.mode == "batch":
+            self._timer = threading.Thread(
+                target=_run_fsync_timer, args=(weakref.ref(self), self._wake),
+                name=f"erlay-journal-fsync-{self.directory.name}", daemon=True)
+            self._timer.start()
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -238,6 +255,11 @@ class Journal:
     @property
     def recovery(self) -> RecoveryReport:
         return self._recovery
+
+    @property
+    def unsynced(self) -> int:
+        """Records handed to the OS but not yet fsynced."""
+        return self._unsynced
 
     @property
     def position(self) -> JournalPosition | None:
@@ -280,6 +302,8 @@ class Journal:
             self._unsynced += 1
             self._since_snapshot += 1
             self._maybe_sync()
+            if self._unsynced:
+                self._wake.notify()  # the timer syncs it if no record comes in time
             if self.snapshot_every is not None and self._since_snapshot >= self.snapshot_every:
                 try:
                     self._snapshot_locked()
@@ -311,7 +335,8 @@ class Journal:
             return self._snapshot_locked()
 
     def close(self) -> None:
-        """fsync and close; idempotent.  A failed journal closes without fsync."""
+        """fsync and close, and stop the fsync timer; idempotent.  A failed journal closes
+        without fsync."""
         with self._lock:
             if self._file is not None:
                 try:
@@ -324,6 +349,10 @@ class Journal:
                 self._lock_file.close()  # releases the flock
                 self._lock_file = None
             self._closed = True
+            self._wake.notify_all()
+        timer, self._timer = self._timer, None
+        if timer is not None and timer is not threading.current_thread():
+            timer.join()
 
     def __enter__(self) -> Journal:
         return self
@@ -354,6 +383,26 @@ class Journal:
                 assert_never(policy.mode)
         if due:
             self._sync_locked()
+
+    def _timer_tick(self) -> float | None:
+        """One look of the fsync timer (under the lock): fsync if the oldest unsynced record
+        has waited ``every_s``; the seconds to sleep before the next look, or None to stop."""
+        if self._closed or self._failed is not None:
+            return None
+        if self._unsynced == 0:
+            return _TIMER_CHECK_S
+        left = self._last_sync + self.fsync_policy.every_s - self._clock.monotonic()
+        if left > 0:
+            return min(left, _TIMER_CHECK_S)
+        try:
+            self._sync_locked()
+        except OSError as exc:
+            # The records' durability is unknown now (an fsync error may have dropped dirty
+            # pages): refuse more records rather than let them look safe.
+            self._failed = exc
+            log.error("journal %s: fsync failed on the timer: %s", self.directory, exc)
+            return None
+        return _TIMER_CHECK_S
 
     def _sync_locked(self) -> None:
         assert self._file is not None
@@ -408,3 +457,18 @@ class Journal:
         for n, path in snapshots.items():
             if n < floor:
                 path.unlink(missing_ok=True)
+
+
+def _run_fsync_timer(journal_ref: weakref.ref[Journal], wake: threading.Condition) -> None:
+    """The body of a batch journal's fsync timer thread (see the module docstring).
+
+    It holds the journal only while it looks (``Journal._timer_tick``), never while it
+    sleeps, and ends when the journal closes, fails or is collected."""
+    while True:
+        with wake:
+            journal = journal_ref()
+            wait_s = journal._timer_tick() if journal is not None else None
+            del journal
+            if wait_s is None:
+                return
+            wake.wait(wait_s)

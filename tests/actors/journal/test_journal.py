@@ -3,6 +3,7 @@ fsync policy, and read-only inspection.  No Ray."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -44,6 +45,7 @@ from erlay.actors.journal.store import (
 )
 from erlay.actors.journal.transitions import Transition, TransitionKind
 from erlay.supervisor.clock import FakeClock
+from tests.conftest import wait_for
 from tests.paths import REPO
 
 K = TransitionKind
@@ -560,6 +562,78 @@ def test_fsync_batch_syncs_when_the_interval_has_passed(tmp_path: Path,
         assert len(fsyncs) == 1
         journal.record(dispatched("d"))
         assert len(fsyncs) == 1
+
+
+def test_fsync_batch_syncs_a_quiet_journal_once_the_interval_has_passed(
+        tmp_path: Path, fsyncs: list[int]) -> None:
+    clock = FakeClock()
+    policy = FsyncPolicy(every_records=1000, every_s=0.05)
+    with Journal.open(tmp_path, fsync=policy, clock=clock, snapshot_every=None) as journal:
+        fsyncs.clear()
+        journal.record(dispatched("a"))  # and nothing after it
+        assert fsyncs == []  # the clock has not moved
+        clock.advance(0.06)
+        wait_for(lambda: fsyncs, timeout=2.0, what="the timer's fsync")
+        assert journal.unsynced == 0
+
+
+def test_an_fsync_failing_on_the_timer_fails_the_journal(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    journal = Journal.open(tmp_path, fsync=FsyncPolicy(every_s=0.05), clock=clock,
+                           snapshot_every=None)
+
+    def eio(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(os, "fsync", eio)
+    journal.record(dispatched("a"))
+    clock.advance(0.06)
+
+    def failed() -> bool:
+        with pytest.raises(JournalClosed, match="Input/output error"):
+            journal.flush()  # raises OSError itself until the timer has failed the journal
+        return True
+    wait_for(failed, timeout=2.0, what="the timer to fail the journal")
+    with pytest.raises(JournalClosed):
+        journal.record(dispatched("b"))
+    journal.close()  # without the fsync that just failed
+    assert journal.state.applied == 1
+
+
+def test_close_stops_the_fsync_timer_and_still_syncs(tmp_path: Path,
+                                                     fsyncs: list[int]) -> None:
+    before = fsync_timers()
+    journal = Journal.open(tmp_path, fsync=FsyncPolicy(every_s=60.0), snapshot_every=None)
+    [timer] = fsync_timers() - before
+    fsyncs.clear()
+    journal.record(dispatched("a"))
+    journal.close()
+    assert len(fsyncs) == 1 and journal.unsynced == 0
+    assert not timer.is_alive()
+
+
+def test_a_journal_dropped_without_close_ends_its_timer_and_releases_its_lock(
+        tmp_path: Path) -> None:
+    before = fsync_timers()
+    journal = Journal.open(tmp_path, snapshot_every=None)
+    [timer] = fsync_timers() - before
+    journal.record(dispatched("a"))
+    del journal
+    gc.collect()
+    wait_for(lambda: not timer.is_alive(), timeout=5.0, what="the timer to end")
+    with Journal.open(tmp_path, snapshot_every=None) as again:  # no JournalBusy
+        assert again.state.applied == 1
+
+
+def test_only_the_batch_mode_runs_an_fsync_timer(tmp_path: Path) -> None:
+    before = fsync_timers()
+    for mode in ("always", "never"):
+        with Journal.open(tmp_path / mode, fsync=FsyncPolicy(mode=mode)):  # type: ignore[arg-type]
+            assert fsync_timers() <= before
+
+
+def fsync_timers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("erlay-journal-fsync")}
 
 
 def test_fsync_never_syncs_only_on_close(tmp_path: Path, fsyncs: list[int]) -> None:
