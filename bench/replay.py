@@ -9,6 +9,18 @@ line:
 - ``duplicates_consumed``: rollouts consumed by more than one step (must be 0)
 - ``tokens_regenerated_after_fault``: tokens an engine sent again after a failover (0 with
   the built-in engine: a resumed rollout continues after its journaled prefix)
+- ``prefill_tokens_recomputed``: what that continuation costs instead.  Each generate call a
+  rollout turn makes after its engine failed under it (a *resumed call*) sends its context
+  (prompt + the completion tokens already received) to another engine, which must prefill it
+  again.  Summed over the resumed calls, as the serving engines report it on their chunks
+  (``TokenChunk.prefill_tokens``: the context tokens each engine computed, less any prefix
+  cache hits), not as the bench assumes it.  ``resumed_calls``, ``resumed_context_tokens``
+  (the context those calls sent, of which ``resumed_prefix_tokens`` were completion tokens)
+  and ``resumed_calls_unreported`` (resumed calls whose engine died too before its first
+  chunk, so it reported nothing) go with it; ``prefill_recomputed_ratio`` is
+  ``prefill_tokens_recomputed`` over the prefill of every call of the faulted run
+- ``load_avg_at_end``: the machine's 1/5/15-minute load average when the faulted run ended,
+  the load these figures were measured under
 - ``resume_ms_p50`` / ``p99``: from an engine's SIGKILL to each of its rollouts decoding
   again on another engine (target p50 <= 500)
 - ``identical_to_fault_free``: every step's completions are token-for-token those of the
@@ -28,6 +40,7 @@ resumed rollout's tokens stop being the fault-free ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -37,10 +50,13 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import load_config
+from erlay.actors.job.domains import CHILD_GONE, EngineBatcher
 from erlay.actors.job.driver import Job, JobResult
 from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
 from erlay.actors.rundir import RunDir
@@ -61,8 +77,108 @@ def overrides(steps: int, parent: Path) -> list[str]:
             f"run.run_dir={parent}"]
 
 
+def turn_of(request_id: str) -> str:
+    """The rollout turn a generate call belongs to: the runner names each call
+    ``<rollout id>/t<turn>/<attempt>``, unique per attempt, so all but the last part."""
+    return request_id.rsplit("/", 1)[0]
+
+
+@dataclass
+class ResumedCall:
+    """One generate call and whether it is a resumed call (its turn failed over before)."""
+
+    turn: str
+    resumed: bool
+    reported: bool = False   # a chunk came back, with the engine's prefill count
+
+
+@dataclass
+class PrefillLedger:
+    """The prefill of every generate call, and of the resumed calls apart.
+
+    A turn is failed over once one of its calls ends with an error the runner fails over on
+    (``CHILD_GONE``); every later call of that turn is a resumed call.  The prefill is what
+    the serving engine reports on the call's chunks, so a resumed call whose engine also dies
+    before its first chunk is counted in ``resumed_calls_unreported`` and adds no prefill.
+    Pure bookkeeping: :meth:`listening` feeds it from the streams.
+    """
+
+    failed_turns: set[str] = field(default_factory=set)
+    prefill_all: int = 0           # reported by the engines, every call
+    resumed_calls: int = 0
+    resumed_context: int = 0       # prompt + prefix tokens the resumed calls sent
+    resumed_prefix: int = 0        # of which completion tokens received before the failure
+    resumed_prefill: int = 0       # reported by the engines, resumed calls
+    resumed_unreported: int = 0
+
+    def call(self, request: dict[str, Any]) -> ResumedCall:
+        call = ResumedCall(turn_of(request["request_id"]),
+                           turn_of(request["request_id"]) in self.failed_turns)
+        if call.resumed:
+            self.resumed_calls += 1
+            self.resumed_prefix += len(request["prefix_ids"])
+            self.resumed_context += len(request["prompt_ids"]) + len(request["prefix_ids"])
+        return call
+
+    def chunk(self, call: ResumedCall, chunk: dict[str, Any]) -> None:
+        prefill = int(chunk.get("prefill_tokens", 0))
+        self.prefill_all += prefill
+        if call.resumed:
+            self.resumed_prefill += prefill
+            call.reported = True
+
+    def ended(self, call: ResumedCall, failed: bool) -> None:
+        """The call's stream ended: ``failed`` when the runner will fail the turn over."""
+        if failed:
+            self.failed_turns.add(call.turn)
+        if call.resumed and not call.reported:
+            self.resumed_unreported += 1
+
+    def figures(self) -> dict[str, Any]:
+        return {"prefill_tokens_recomputed": self.resumed_prefill,
+                "resumed_calls": self.resumed_calls,
+                "resumed_context_tokens": self.resumed_context,
+                "resumed_prefix_tokens": self.resumed_prefix,
+                "resumed_calls_unreported": self.resumed_unreported,
+                "prefill_tokens_all_calls": self.prefill_all,
+                "prefill_recomputed_ratio": round(self.resumed_prefill / self.prefill_all, 4)
+                if self.prefill_all else None}
+
+    @contextlib.contextmanager
+    def listening(self) -> Iterator[PrefillLedger]:
+        """Feed the ledger from every engine stream of rollouts in this process.
+
+        The rollout runner keeps no per-call record of prefill, and every stream of a rollout
+        passes through :meth:`EngineBatcher.stream` in the driver (the coordinator is an
+        in-process child), so the bench wraps that method for the run, and only observes.
+        """
+        original = EngineBatcher.stream
+        ledger = self
+
+        async def stream(batcher: EngineBatcher, engine: Any, request: dict[str, Any]
+                         ) -> AsyncIterator[dict[str, Any]]:
+            call = ledger.call(request)
+            failed = False
+            try:
+                async for chunk in original(batcher, engine, request):
+                    ledger.chunk(call, chunk)
+                    yield chunk
+            except CHILD_GONE:
+                failed = True
+                raise
+            finally:
+                ledger.ended(call, failed)
+
+        EngineBatcher.stream = stream  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            EngineBatcher.stream = original  # type: ignore[method-assign]
+
+
 def run(steps: int, parent: Path, name: str, kills: int, every_s: float,
-        backend: str = "torch") -> tuple[JobResult, Job, MemoryTransitions, list[float]]:
+        backend: str = "torch", ledger: PrefillLedger | None = None
+        ) -> tuple[JobResult, Job, MemoryTransitions, list[float]]:
     config = "vllm.yaml" if backend == "vllm" else "cpu.yaml"
     extra = ["engine.chunk_tokens=1", "supervision.generation.period=600"] \
         if backend == "vllm" else []
@@ -71,11 +187,12 @@ def run(steps: int, parent: Path, name: str, kills: int, every_s: float,
     job = Job(cfg, RunDir.create(parent, name), transitions=memory)
     results: list[JobResult] = []
     thread = threading.Thread(target=lambda: results.append(job.run(progress=False)))
-    thread.start()
     killed_at: list[float] = []
-    if kills:
-        _kill_on_schedule(job, kills, every_s, killed_at, thread, backend, memory)
-    thread.join()
+    with ledger.listening() if ledger is not None else contextlib.nullcontext():
+        thread.start()
+        if kills:
+            _kill_on_schedule(job, kills, every_s, killed_at, thread, backend, memory)
+        thread.join()
     shutdown_ray()
     return results[0], job, memory, killed_at
 
@@ -154,7 +271,7 @@ def resume_latencies(killed_at: list[float], resumes: list[tuple[str, float, flo
 
 
 def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
-            killed_at: list[float]) -> dict[str, Any]:
+            killed_at: list[float], ledger: PrefillLedger) -> dict[str, Any]:
     dispatched = {t.rollout_id for t in memory.of(TransitionKind.DISPATCHED)}
     consumed_steps: dict[str, set[int]] = {}
     for t in memory.of(TransitionKind.CONSUMED):
@@ -172,6 +289,7 @@ def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
         "rollouts_lost": len(dispatched - set(consumed_steps)),
         "duplicates_consumed": sum(len(s) > 1 for s in consumed_steps.values()),
         "tokens_regenerated_after_fault": runner.tokens_regenerated,
+        **ledger.figures(),
         "resume_ms_p50": round(statistics.median(latencies), 1) if latencies else None,
         "resume_ms_p99": round(percentile(latencies, 0.99), 1) if latencies else None,
         "failure_seen_ms_p50": round(statistics.median(seen), 1) if seen else None,
@@ -196,13 +314,16 @@ def main() -> None:
     logging.getLogger("erlay").setLevel(logging.ERROR)
     parent = Path(tempfile.mkdtemp(prefix="erlay-replay-"))
     clean, clean_job, _, _ = run(args.steps, parent, "fault-free", 0, args.every, args.backend)
+    ledger = PrefillLedger()
     faulted, faulted_job, memory, killed_at = run(args.steps, parent, "faulted", args.kills,
-                                                  args.every, args.backend)
+                                                  args.every, args.backend, ledger)
     assert clean.status == "finished", clean.reason
     out = {"status": faulted.status, "backend": args.backend,
-           **figures(clean_job, faulted_job, memory, killed_at)}
+           **figures(clean_job, faulted_job, memory, killed_at, ledger),
+           "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]}
     targets = {"rollouts_lost": "0", "duplicates_consumed": "0",
                "tokens_regenerated_after_fault": "0", "resume_ms_p50": "<= 500",
+               "prefill_tokens_recomputed": "reported",
                "identical_to_fault_free": "true" if args.backend == "torch" else "n/a"}
     print(f"runs in {parent}")
     print(f"{'figure':32s} {'measured':>10}  target")
