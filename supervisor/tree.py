@@ -159,7 +159,11 @@ class SupervisionTree:
         return self.root
 
     def supervisor(self, path: str) -> Supervisor:
-        """The running supervisor at ``path`` (``erlay/gen``)."""
+        """The running supervisor at ``path`` (``erlay/gen``).
+
+        Raises ChildNotRunning when it, or a supervisor above it, is not running (it is
+        restarting, or gone), and KeyError for a path outside this tree, which no restart
+        can fix: that is a bug of the caller."""
         sup = self._root()
         parts = path.split("/")
         if parts[0] != self.name:
@@ -257,8 +261,14 @@ class ChildRef:
 
     @property
     def incarnation(self) -> int:
+        """The child's current incarnation number.  Raises ChildNotRunning while its
+        supervisor is not running, and once the child is no longer one of its children
+        (deleted, or a temporary child that exited): a gone child, not a bug."""
         sup = self._tree.supervisor(self._parent_path)
-        return sup.state.children[self._cid].incarnation
+        record = sup.state.children.get(self._cid)
+        if record is None:
+            raise ChildNotRunning(f"{self.path} is no longer a child of {self._parent_path}")
+        return record.incarnation
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

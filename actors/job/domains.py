@@ -41,9 +41,10 @@ class EngineRequestFailed(ChildNotRunning):
     count the engine as dead."""
 
 
-# A child that is restarting, whose actor died under the call, or that did not answer in
-# time.  Only what means gone: an error of our own code (a KeyError, say) is a bug and
-# propagates.
+# A child that is restarting or no longer exists (a ChildRef lookup raises ChildNotRunning
+# then), whose actor died or became unavailable under the call (RayActorError and its
+# subclasses), or that did not answer in time.  Only what means gone: an error of our own
+# code (a KeyError, say) is a bug and propagates instead of turning into a failover loop.
 CHILD_GONE = (ChildNotRunning, RayActorError, CallDeadlineExceeded)
 
 
@@ -141,8 +142,8 @@ class EnginePool:
         running = await _wait_for_any(self.refs, 0)
 
         async def push(ref: ChildRef) -> None:
-            incarnation = ref.incarnation
             try:
+                incarnation = ref.incarnation  # the child may be gone since it was running
                 await within(ref.actor.update_weights.remote(weights.version, weights.ref),
                              self.update_timeout_s, f"{ref.path}.update_weights")
                 self._admitted[ref.path] = incarnation
