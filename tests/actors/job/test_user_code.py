@@ -47,7 +47,8 @@ def test_an_environment_failing_a_share_of_steps_fails_those_samples_only(
     assert set(consumed) == dispatched and set(consumed.values()) == {1}
     steps = job.run_dir.rl_steps()
     assert sum(m["user_errors"] for m in steps) == len(failed)
-    assert all(m["valid_samples"] == m["samples"] - m["user_errors"] - m["judge_marked"]
+    assert all(m["samples"] == m["trained_samples"] + m["dropped"] for m in steps)
+    assert all(m["valid_samples"] == m["samples"] - m["user_errors"] - m["judge_failed"]
                for m in steps)
 
 
