@@ -43,6 +43,7 @@ from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.learner.core import TrainBatch
 from erlay.actors.learner.grpo import staleness_ok
+from erlay.actors.observe.goodput import StepCounts
 from erlay.actors.model.tokenizer import CharTokenizer
 from erlay.supervisor import telemetry
 from erlay.supervisor.deadline import within
@@ -99,6 +100,9 @@ def _consume_spans(trajectories: list[Trajectory], step: int, version: int,
         if traj.trace:
             telemetry.start_span("consume", parent=traj.trace, start_time=started, step=step,
                                  rollout_id=traj.rollout_id, policy_version=version).end()
+
+
+Window = tuple[float, float]   # wall time (time.time()) at start and end
 
 
 class RolloutCoordinator:
@@ -175,24 +179,25 @@ class RolloutCoordinator:
         cfg = self.cfg
         n = await self._restore_or_warm_start()
         steps, lookahead = cfg.run.steps, cfg.rollout.max_staleness
-        generation: dict[int, asyncio.Task[tuple[list[Trajectory], float]]] = {}
+        generation: dict[int, asyncio.Task[tuple[list[Trajectory], Window]]] = {}
         while n < steps:
             for ahead in range(n, min(steps, n + lookahead + 1)):
                 if ahead not in generation:
                     generation[ahead] = asyncio.create_task(self._generate_step(ahead),
                                                             name=f"gen-step-{ahead}")
             step_started = time.monotonic()
-            trajectories, gen_seconds = await generation.pop(n)
+            trajectories, gen_window = await generation.pop(n)
             gen_wait = time.monotonic() - step_started
             tails = await self._engine_tails()
-            batch, dropped = self._batch(n, trajectories)
-            train_started = time.monotonic()
+            batch, counts = self._batch(n, trajectories)
+            train_started, train_began = time.monotonic(), time.time()
             metrics = await self._train(batch, n)
             if metrics.get("stale_step"):
                 n = await self._rewind(n, int(metrics["learner_step"]))
                 continue
             weights = await self._publish()
             train_seconds = time.monotonic() - train_started
+            windows = {"gen_window": gen_window, "train_window": (train_began, time.time())}
             for rid in batch.rollout_ids:
                 self.sink.record(Transition(TransitionKind.CONSUMED, rid,
                                             {"step": n, "version": weights.version}))
@@ -200,8 +205,9 @@ class RolloutCoordinator:
             # Report before checkpointing: a checkpoint may let the journal compact this
             # step's rollouts, and a successor reports unreported steps from the journal.
             if n > self.reported_upto:
-                self._report_step(n, trajectories, dropped, {**metrics, **tails}, gen_seconds,
-                                  gen_wait, train_seconds, time.monotonic() - step_started)
+                self._report_step(n, trajectories, counts, {**metrics, **tails, **windows},
+                                  gen_window[1] - gen_window[0], gen_wait, train_seconds,
+                                  time.monotonic() - step_started)
                 self.reported_upto = n
             if (n + 1) % cfg.checkpoint.every_steps == 0 or n + 1 == steps:
                 self.checkpoint_exposed_s.append(await self._checkpoint())
@@ -269,8 +275,8 @@ class RolloutCoordinator:
             for traj in trajectories:
                 self.sink.record(Transition(TransitionKind.CONSUMED, traj.rollout_id,
                                             {"step": n, "version": self.base_version + n + 1}))
-            _, dropped = self._batch(n, trajectories)
-            self._report_step(n, trajectories, dropped, {"recovered": True,
+            _, counts = self._batch(n, trajectories)
+            self._report_step(n, trajectories, counts, {"recovered": True,
                                                          "version": self.base_version + n + 1},
                               0.0, 0.0, 0.0, 0.0)
             self.reported_upto = n
@@ -305,12 +311,13 @@ class RolloutCoordinator:
                      "committed": result.get("committed"), "journal_snapshot": snapshot})
         return float(result["exposed_s"])
 
-    async def _generate_step(self, n: int) -> tuple[list[Trajectory], float]:
+    async def _generate_step(self, n: int) -> tuple[list[Trajectory], Window]:
         """All rollouts of step ``n``: ``prompts_per_step`` groups of ``group_size``, each
-        continued from what the journal holds of it (nothing, for a new one)."""
+        continued from what the journal holds of it (nothing, for a new one); and the wall
+        time window (``time.time()`` at start and end) the step's generation ran in."""
         assert self.runner is not None
         cfg = self.cfg.rollout
-        started = time.monotonic()
+        started = time.time()
         plays = []
         for g in range(cfg.prompts_per_step):
             index = n * cfg.prompts_per_step + g
@@ -323,7 +330,7 @@ class RolloutCoordinator:
                 rid = f"r{n:05d}-g{g:03d}-{k}"
                 plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
         trajectories = await asyncio.gather(*plays)
-        return list(trajectories), time.monotonic() - started
+        return list(trajectories), (started, time.time())
 
     def _history(self, rollout_id: str) -> RolloutHistory | None:
         if self.journal is None or self.cfg.supervision.mode == "job_restart":
@@ -340,20 +347,21 @@ class RolloutCoordinator:
                 record.tool_results, record.judgements, record.completed is not None,
                 (record.completed or {}).get("user_error"))
 
-    def _batch(self, n: int, trajectories: list[Trajectory]) -> tuple[TrainBatch, int]:
-        """The step's TrainBatch.  Stale trajectories, samples whose judge failed and
-        samples user code failed are kept in their group for shape, with every token masked
-        out, and counted; the invalid ones (judge or user code failed) also stay out of their
-        group's advantage statistics, so they are never scored as 0."""
+    def _batch(self, n: int, trajectories: list[Trajectory]) -> tuple[TrainBatch, StepCounts]:
+        """The step's TrainBatch and its :class:`StepCounts`.  Stale trajectories, samples
+        whose judge failed and samples user code failed are kept in their group for shape,
+        with every token masked out, and counted; the invalid ones (judge or user code
+        failed) also stay out of their group's advantage statistics, so they are never
+        scored as 0."""
         learner_version = self.base_version + n
-        dropped = 0
+        counts = StepCounts()
         masks = []
         for traj in trajectories:
             fresh = staleness_ok([v for v in traj.versions if v >= 0] or [learner_version],
                                  learner_version, self.cfg.rollout.max_staleness)
-            keep = fresh and traj.valid
-            dropped += not keep
-            masks.append([m and keep for m in traj.loss_mask])
+            mask = [m and fresh and traj.valid for m in traj.loss_mask]
+            counts.add(traj, fresh, sum(mask))
+            masks.append(mask)
         batch = TrainBatch(
             prompt_ids=[t.prompt_ids for t in trajectories],
             completion_ids=[t.completion_ids for t in trajectories],
@@ -363,7 +371,7 @@ class RolloutCoordinator:
             group_size=self.cfg.rollout.group_size,
             rollout_ids=[t.rollout_id for t in trajectories],
             loss_mask=masks, valid=[t.valid for t in trajectories])
-        return batch, dropped
+        return batch, counts
 
     # ----------------------------------------------------------------- other domains
     async def _warm_start(self) -> None:
@@ -461,7 +469,7 @@ class RolloutCoordinator:
         return weights
 
     # -------------------------------------------------------------------------- metrics
-    def _report_step(self, n: int, trajectories: list[Trajectory], dropped: int,
+    def _report_step(self, n: int, trajectories: list[Trajectory], counts: StepCounts,
                      metrics: dict[str, Any], gen_seconds: float, gen_wait: float,
                      train_seconds: float, step_seconds: float) -> None:
         assert self.sandbox is not None and self.judge is not None
@@ -470,11 +478,9 @@ class RolloutCoordinator:
         valid = [t for t in trajectories if t.valid]
         rewards = [t.reward for t in valid]
         tokens = sum(t.generated_tokens for t in trajectories)
-        # Staleness of what was trained: a stale trajectory is masked out (counted in
-        # `dropped`), so it must not count here.
-        versions = [t.min_version for t in trajectories if t.min_version >= 0
-                    and staleness_ok([t.min_version], self.base_version + n,
-                                     self.cfg.rollout.max_staleness)]
+        # Over every sample, trained or masked: a stale sample is counted here as what it
+        # was.  Whether a stale one was trained is the learner ledger's to say.
+        versions = [t.min_version for t in trajectories if t.min_version >= 0]
         learner_version = self.base_version + n
         self.report({
             "phase": "rl", "step": n, "version": metrics.get("version"),
@@ -482,11 +488,9 @@ class RolloutCoordinator:
             "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None,
             "samples": len(trajectories), "valid_samples": len(valid), "gen_tokens": tokens,
             "failures": sum(t.failure is not None for t in trajectories),
-            "judge_marked": sum(not t.judged_ok for t in trajectories),
-            "user_errors": sum(t.user_error is not None for t in trajectories),
+            **counts.to_dict(),
             "tool_calls": sum(t.tool_calls for t in trajectories),
             "resumed_turns": sum(t.resumed for t in trajectories),
-            "dropped": dropped,
             "staleness_max": max((learner_version - v for v in versions), default=0),
             "sandbox_calls": self.sandbox.calls,
             "gen_s": round(gen_seconds, 4), "gen_wait_s": round(gen_wait, 4),
@@ -498,4 +502,6 @@ class RolloutCoordinator:
             # speculative decoding; the engines' tail_report has the concurrency side).
             **_length_tail([t.generated_tokens for t in trajectories]),
             **{k: v for k, v in metrics.items() if k.startswith(("mtp_", "engine_tail_"))},
+            **{k: [round(t, 3) for t in metrics[k]] for k in ("gen_window", "train_window")
+               if k in metrics},
         })
