@@ -77,6 +77,11 @@ class RunDir:
         return self.path / "checkpoints"
 
     @property
+    def ledger(self) -> Path:
+        """The learner's record of what it trained (:mod:`erlay.actors.learner.ledger`)."""
+        return self.path / "ledger.jsonl"
+
+    @property
     def config(self) -> Path:
         return self.path / "config.yaml"
 

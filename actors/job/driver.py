@@ -218,7 +218,7 @@ class Job:
             rank=r, world_size=cfg.learner.num_ranks, master_port=master_port,
             temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
             lr_min_ratio=cfg.learner.lr_min_ratio, mtp_loss_weight=cfg.learner.mtp_loss_weight,
-            checkpoint_dir=str(self.run_dir.checkpoints),
+            checkpoint_dir=str(self.run_dir.checkpoints), ledger_path=str(self.run_dir.ledger),
             checkpoint_keep=cfg.checkpoint.keep, **self._learner_init()), options=opts),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})

@@ -22,6 +22,7 @@ import ray
 
 from erlay.actors.learner.checkpoint import AsyncCheckpointer, ensure_process_group, latest, load
 from erlay.actors.learner.core import LearnerCore, TrainBatch
+from erlay.actors.learner.ledger import LearnerLedger
 from erlay.supervisor import failpoints
 from erlay.supervisor.failpoints import Action, failpoint
 
@@ -41,7 +42,8 @@ class Learner(LearnerCore):
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
-                 init_model_dir: str | None = None, **kwargs: Any) -> None:
+                 init_model_dir: str | None = None, ledger_path: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if init_model_dir is not None:
             # Start from the weights the vllm engines serve (a GPT-2 directory); a checkpoint,
@@ -64,6 +66,11 @@ class Learner(LearnerCore):
             self.restored = {"step": info.step, "path": str(info.path), **extra}
             log.warning("learner rank %d restored checkpoint %s (step %d)", self.rank,
                         info.path.name, info.step)
+        # Rank 0 keeps the ledger of what was trained (erlay.actors.learner.ledger): the
+        # evidence, independent of the journal, that each rollout was trained once.
+        self.ledger = LearnerLedger(ledger_path) if ledger_path and self.rank == 0 else None
+        if self.ledger is not None:
+            self.ledger.started(self._step, self.restored is not None)
 
     def train_step(self, batch: dict[str, Any] | TrainBatch,
                    expected_step: int | None = None) -> dict[str, float]:
@@ -71,6 +78,10 @@ class Learner(LearnerCore):
         has finished persisting (a non-blocking poll), so commits follow saves closely."""
         failpoint("learner.train_step")
         metrics = super().train_step(batch, expected_step)
+        if self.ledger is not None and not metrics.get("stale_step"):
+            rows = batch.to_dict() if isinstance(batch, TrainBatch) else batch
+            self.ledger.trained(int(metrics["step"]) - 1, int(metrics["version"]) - 1,
+                                rows["rollout_ids"], rows["versions"], rows.get("loss_mask"))
         if self._checkpointer is not None:
             self._checkpointer.poll()
         return metrics
