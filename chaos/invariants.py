@@ -1,9 +1,12 @@
 """The chaos suite's invariants: pure judgements of one finished run.
 
 Each invariant is a function of a :class:`RunObservation` (and, for the comparative ones, the
-observation of a fault-free run of the same config) that returns a :class:`Verdict`:
-``ok=True`` (held), ``ok=False`` (violated; ``detail`` says where) or ``ok=None`` (could not
-be judged; ``detail`` says why).  A skip is never silent and never counted as a pass.
+observation of a fault-free run of the same config) that returns a :class:`Verdict`: PASS
+(held), FAIL (violated, or it applies and its evidence is missing: "cannot check") or N/A
+(it does not apply to this run; ``detail`` says why).  N/A is never counted as a pass.  The
+checks over the learner's ledger, tool results, judgements and checkpoints are in
+:mod:`erlay.chaos.records`; ``erlay chaos selftest`` proves each one catches a planted
+violation.
 
 Nothing here does I/O or reads a clock: the runner gathers the observation (events file,
 metrics file, the journal's transition stream, the fault records, leftover processes) and
@@ -16,15 +19,34 @@ since the job started (``RunObservation.started_at``).
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from erlay.actors.rundir import reward_window
 from erlay.chaos.faults import FaultRecord, domain_of
+from erlay.chaos.observation import (
+    STATUSES,
+    RunObservation,
+    Verdict,
+    cannot_check,
+    distinct_steps,
+    few,
+    rollout_step,
+)
+from erlay.chaos.records import (
+    checkpoints_intact,
+    exactly_once,
+    judgements_stable,
+    staleness_within_bound,
+    steps_in_order,
+    tool_calls_once,
+)
 from erlay.supervisor.events import EventKind, SupervisorEvent
+
+__all__ = ["INVARIANTS", "STATUSES", "RunObservation", "Verdict", "check_all",
+           "distinct_steps", "rollout_step"]
 
 # How long after a fault its detection may come.  Hangs are found by progress deadlines, so
 # this must exceed the longest deadline a scenario arms.
@@ -37,95 +59,8 @@ DETECTION_SKEW_S = 1.0
 INTENSITY_SLACK_S = 0.25
 DEFAULT_REWARD_TOLERANCE = 0.1
 END_EXPECTATIONS = ("finished", "escalation")
-STATUSES = ("finished", "failed", "stalled")
 
-_ROLLOUT_ID = re.compile(r"^r(\d+)-")  # f"r{step:05d}-g{group:03d}-{k}"
 _DETECTING = (EventKind.EXIT, EventKind.HANG)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One invariant's judgement.  ``ok`` is True (held), False (violated) or None (skipped,
-    with the reason in ``detail``)."""
-
-    name: str
-    ok: bool | None
-    detail: str
-
-    @property
-    def status(self) -> str:
-        """``PASS``, ``FAIL`` or ``SKIP``."""
-        return {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "status": self.status, "detail": self.detail}
-
-
-@dataclass
-class RunObservation:
-    """Everything the invariants look at, gathered from one run after it ended.
-
-    - ``events``: every supervisor event of the run (``events.jsonl``), in any order.
-    - ``metrics``: every ``metrics.jsonl`` record (all phases).  A step may appear twice in
-      phase ``rl``: once more after a learner rewind fed it again, or as a ``recovered`` record
-      a restarted coordinator wrote from the journal.
-    - ``consumed_transitions``: ``(rollout_id, step)`` of every CONSUMED transition the
-      journal recorded, in order, repeats included (a rewind consumes the same rollouts again).
-    - ``dispatched_ids``: the id of every rollout ever dispatched.
-    - ``steps_trained``: RL steps the run finished; steps ``0 .. steps_trained-1`` are done.
-    - ``faults``: the injected faults, in injection order.
-    - ``wall_s``: the run's wall-clock seconds, start to end.
-    - ``max_staleness``: the config's bound on a trajectory's policy-version lag.
-    - ``intensity``: supervisor path -> (restart intensity, period in seconds), for every
-      supervisor whose flags are known.
-    - ``orphans``: processes the run left behind, each ``{"pid": int, "cmdline": str}``.
-    - ``status``: how the run ended: ``finished``, ``failed`` or ``stalled`` (stopped at the
-      scenario's duration bound).
-    - ``not_injected``: each scheduled fault that could not be injected, with the reason.
-    - ``offender``: for a failed run, the tree path the root named as the offender.
-    - ``started_at``: unix time the job started (a metric's ``time`` counts from it), or
-      None when unknown.
-    """
-
-    events: list[SupervisorEvent] = field(default_factory=list)
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    consumed_transitions: list[tuple[str, int]] = field(default_factory=list)
-    dispatched_ids: set[str] = field(default_factory=set)
-    steps_trained: int = 0
-    faults: list[FaultRecord] = field(default_factory=list)
-    wall_s: float = 0.0
-    max_staleness: int = 1
-    intensity: dict[str, tuple[int, float]] = field(default_factory=dict)
-    orphans: list[dict[str, Any]] = field(default_factory=list)
-    status: str = "finished"
-    offender: str | None = None
-    started_at: float | None = None
-    not_injected: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status: expected one of {', '.join(STATUSES)}, "
-                             f"got {self.status!r}")
-
-    def rl_records(self) -> list[dict[str, Any]]:
-        """Every ``rl`` metric record, in file order, repeats included."""
-        return [m for m in self.metrics if m.get("phase") == "rl"]
-
-    def rl_steps(self) -> list[dict[str, Any]]:
-        """One ``rl`` record per step (the last one written), sorted by step."""
-        return distinct_steps(self.metrics)
-
-    def sorted_events(self) -> list[SupervisorEvent]:
-        return sorted(self.events, key=lambda e: e.time)
-
-
-def distinct_steps(metrics: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ``rl`` record per step, the last written (the one that stuck), sorted by step."""
-    last: dict[int, dict[str, Any]] = {}
-    for m in metrics:
-        if m.get("phase") == "rl":
-            last[int(m["step"])] = m
-    return [last[s] for s in sorted(last)]
 
 
 def final_reward(metrics: Iterable[dict[str, Any]]) -> float | None:
@@ -134,18 +69,6 @@ def final_reward(metrics: Iterable[dict[str, Any]]) -> float | None:
     rewards = [float(m["reward_mean"]) for m in distinct_steps(metrics)
                if m.get("reward_mean") is not None]
     return reward_window(rewards, 0.1)[1] if rewards else None
-
-
-def rollout_step(rollout_id: str) -> int | None:
-    """The learner step a rollout id was made for (``r00042-g003-1`` -> 42), or None."""
-    m = _ROLLOUT_ID.match(rollout_id)
-    return int(m.group(1)) if m else None
-
-
-def _few(items: Iterable[object], n: int = 5) -> str:
-    items = list(items)
-    text = ", ".join(str(i) for i in items[:n])
-    return text + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 # ------------------------------------------------------------------------- exactly once
@@ -162,8 +85,8 @@ def no_rollout_lost(obs: RunObservation) -> Verdict:
     if obs.steps_trained <= 0:
         return Verdict(name, True, "no step was trained, so no rollout was due")
     if not obs.dispatched_ids:
-        return Verdict(name, None, f"{obs.steps_trained} steps trained but no dispatched "
-                                   "rollout was recorded (is the journal missing?)")
+        return cannot_check(name, f"{obs.steps_trained} steps trained but no dispatched "
+                                  "rollout was recorded (is the journal missing?)")
     consumed = {rid for rid, _ in obs.consumed_transitions}
     unparseable = sorted(r for r in obs.dispatched_ids if rollout_step(r) is None)
     due = sorted(r for r in obs.dispatched_ids
@@ -173,9 +96,9 @@ def no_rollout_lost(obs: RunObservation) -> Verdict:
     problems = []
     if lost:
         problems.append(f"{len(lost)} of {len(due)} rollouts of trained steps were never "
-                        f"consumed: {_few(lost)}")
+                        f"consumed: {few(lost)}")
     if unparseable:
-        problems.append(f"rollout ids naming no step: {_few(unparseable)}")
+        problems.append(f"rollout ids naming no step: {few(unparseable)}")
     if problems:
         return Verdict(name, False, "; ".join(problems))
     detail = f"all {len(due)} rollouts of {obs.steps_trained} trained steps were consumed"
@@ -206,32 +129,15 @@ def no_duplicate_consumption(obs: RunObservation) -> Verdict:
                        if rollout_step(r) != s)
     problems = []
     if twice:
-        problems.append("consumed by more than one step: " + _few(
+        problems.append("consumed by more than one step: " + few(
             f"{r} by steps {'/'.join(map(str, s))}" for r, s in sorted(twice.items())))
     if misplaced:
-        problems.append("consumed by a step other than its id's: " + _few(
+        problems.append("consumed by a step other than its id's: " + few(
             f"{r} by step {s}" for r, s in misplaced))
     if problems:
         return Verdict(name, False, "; ".join(problems))
     return Verdict(name, True, f"{len(steps_of)} rollouts, each consumed by its own step "
                                f"({refeeds} re-feeds after a learner rewind)")
-
-
-def staleness_within_bound(obs: RunObservation) -> Verdict:
-    """Every RL step's ``staleness_max`` (how many versions its oldest trajectory lagged the
-    learner) is at most ``max_staleness``."""
-    name = "staleness_within_bound"
-    checked = [m for m in obs.rl_records() if m.get("staleness_max") is not None]
-    if not checked:
-        return Verdict(name, None, "no rl step reported staleness_max")
-    over = [m for m in checked if float(m["staleness_max"]) > obs.max_staleness]
-    if over:
-        return Verdict(name, False, f"bound {obs.max_staleness} exceeded at " + _few(
-            f"step {m['step']} ({m['staleness_max']:g}, {m.get('dropped', 0)} dropped)"
-            for m in over))
-    worst = max(float(m["staleness_max"]) for m in checked)
-    return Verdict(name, True, f"{len(checked)} rl records, worst staleness {worst:g} "
-                               f"<= {obs.max_staleness}")
 
 
 def replay_identical(obs: RunObservation, fault_free: RunObservation | None = None) -> Verdict:
@@ -245,7 +151,7 @@ def replay_identical(obs: RunObservation, fault_free: RunObservation | None = No
     """
     name = "replay_identical"
     if fault_free is None:
-        return Verdict(name, None, "no fault-free run to compare with")
+        return Verdict(name, None, "no fault-free baseline was requested")
     if obs.max_staleness > 0 or fault_free.max_staleness > 0:
         bound = max(obs.max_staleness, fault_free.max_staleness)
         return Verdict(name, None, f"max_staleness {bound} > 0: generation timing "
@@ -262,10 +168,10 @@ def replay_identical(obs: RunObservation, fault_free: RunObservation | None = No
         if ours != theirs:
             mismatched.append(int(m["step"]))
     if not compared:
-        return Verdict(name, None, "no step with a tokens_digest in both runs")
+        return cannot_check(name, "no step with a tokens_digest in both runs")
     if mismatched:
         return Verdict(name, False, f"tokens differ from the fault-free run at steps "
-                                    f"{_few(sorted(set(mismatched)))}")
+                                    f"{few(sorted(set(mismatched)))}")
     extra = f" ({uncompared} records without a counterpart)" if uncompared else ""
     return Verdict(name, True, f"{compared} step records token-identical to the fault-free "
                                f"run{extra}")
@@ -348,7 +254,7 @@ def match_fault(fault: FaultRecord, events: list[SupervisorEvent], *,
                                   "no supervisor watches the driver")
             hits = [e for e in in_window if target_matches(e, fault.target)]
             if not hits:
-                elsewhere = _few(sorted({e.path for e in in_window}), 3)
+                elsewhere = few(sorted({e.path for e in in_window}), 3)
                 note = f"no exit or hang of the target within {window_s:g} s"
                 return FaultMatch(fault, False, "undetected", None,
                                   note + (f" (exits elsewhere: {elsewhere})" if elsewhere else ""))
@@ -419,7 +325,7 @@ def restart_intensity_respected(obs: RunObservation, *,
     """
     name = "restart_intensity_respected"
     if not obs.intensity:
-        return Verdict(name, None, "no supervisor's restart intensity is known")
+        return cannot_check(name, "no supervisor's restart intensity is known")
     problems: list[str] = []
     restarts = escalations = 0
     events = obs.sorted_events()
@@ -458,7 +364,7 @@ def no_orphans(obs: RunObservation) -> Verdict:
     """No process the run started outlived it: the supervisors own their process groups."""
     name = "no_orphans"
     if obs.orphans:
-        return Verdict(name, False, f"{len(obs.orphans)} processes left behind: " + _few(
+        return Verdict(name, False, f"{len(obs.orphans)} processes left behind: " + few(
             f"pid {o.get('pid')} ({str(o.get('cmdline', ''))[:80]})" for o in obs.orphans))
     return Verdict(name, True, "no process outlived the run")
 
@@ -471,11 +377,11 @@ def reward_within_tolerance(obs: RunObservation, fault_free: RunObservation | No
     fault-free run's: recovering from faults did not cost learning."""
     name = "reward_within_tolerance"
     if fault_free is None:
-        return Verdict(name, None, "no fault-free run to compare with")
+        return Verdict(name, None, "no fault-free baseline was requested")
     ours, theirs = final_reward(obs.metrics), final_reward(fault_free.metrics)
     if ours is None or theirs is None:
         which = "this run" if ours is None else "the fault-free run"
-        return Verdict(name, None, f"{which} has no rl step")
+        return cannot_check(name, f"{which} has no rl step with a reward")
     diff = abs(ours - theirs)
     return Verdict(name, diff <= tolerance, f"final reward {ours:.3f} vs fault-free "
                                             f"{theirs:.3f}: |diff| {diff:.3f} "
@@ -505,10 +411,11 @@ def expected_end(obs: RunObservation, expect_end: str = "finished",
 
 # ------------------------------------------------------------------------------- all
 
-INVARIANTS = ("no_rollout_lost", "no_duplicate_consumption", "staleness_within_bound",
-              "replay_identical", "faults_detected", "restart_intensity_respected",
-              "no_orphans", "reward_within_tolerance", "expected_end", "faults_injected",
-              "samples_judged")
+INVARIANTS = ("no_rollout_lost", "no_duplicate_consumption", "exactly_once",
+              "staleness_within_bound", "steps_in_order", "tool_calls_once",
+              "judgements_stable", "checkpoints_intact", "replay_identical", "faults_detected",
+              "restart_intensity_respected", "no_orphans", "reward_within_tolerance",
+              "expected_end", "faults_injected", "samples_judged")
 
 
 def faults_injected(obs: RunObservation) -> Verdict:
@@ -517,7 +424,7 @@ def faults_injected(obs: RunObservation) -> Verdict:
     name = "faults_injected"
     if obs.not_injected:
         return Verdict(name, False, f"{len(obs.not_injected)} fault(s) not injected: "
-                                    + _few(obs.not_injected, 3))
+                                    + few(obs.not_injected, 3))
     return Verdict(name, True, f"all {len(obs.faults)} fault(s) injected")
 
 
@@ -529,8 +436,9 @@ def samples_judged(obs: RunObservation, min_share: float = 0.95) -> Verdict:
     steps = distinct_steps(obs.metrics)
     samples = sum(int(m.get("samples", 0)) for m in steps)
     if not samples:
-        return Verdict(name, False, "no RL step reported any sample")
-    marked = sum(int(m.get("judge_marked", 0)) for m in steps)
+        return cannot_check(name, "no RL step reported any sample")
+    # judge_marked: the field's name in run dirs written before goodput had one meaning.
+    marked = sum(int(m.get("judge_failed", m.get("judge_marked", 0))) for m in steps)
     share = 1 - marked / samples
     return Verdict(name, share >= min_share, f"{samples - marked} of {samples} samples judged "
                                              f"({share:.1%}; at least {min_share:.0%} needed)")
@@ -549,7 +457,12 @@ def check_all(obs: RunObservation, *, fault_free: RunObservation | None = None,
     checks: dict[str, Callable[[], Verdict]] = {
         "no_rollout_lost": lambda: no_rollout_lost(obs),
         "no_duplicate_consumption": lambda: no_duplicate_consumption(obs),
+        "exactly_once": lambda: exactly_once(obs),
         "staleness_within_bound": lambda: staleness_within_bound(obs),
+        "steps_in_order": lambda: steps_in_order(obs),
+        "tool_calls_once": lambda: tool_calls_once(obs),
+        "judgements_stable": lambda: judgements_stable(obs),
+        "checkpoints_intact": lambda: checkpoints_intact(obs),
         "replay_identical": lambda: replay_identical(obs, fault_free),
         "faults_detected": lambda: faults_detected(obs, window_s=window_s),
         "restart_intensity_respected": lambda: restart_intensity_respected(obs),

@@ -27,10 +27,12 @@ Inject = Literal["sigkill", "sigstop", "sigterm", "ray_kill", "node_loss", "fail
                  "sandbox_attack", "judge_fault", "slow_checkpoint", "driver_kill", "delay",
                  "user_error", "partial"]
 Expect = Literal["restart", "absorbed", "escalation"]
-Invariant = Literal["no_rollout_lost", "no_duplicate_consumption", "staleness_within_bound",
-                    "replay_identical", "faults_detected", "restart_intensity_respected",
-                    "no_orphans", "reward_within_tolerance", "expected_end",
-                    "faults_injected", "samples_judged"]
+Invariant = Literal["no_rollout_lost", "no_duplicate_consumption", "exactly_once",
+                    "staleness_within_bound", "steps_in_order", "tool_calls_once",
+                    "judgements_stable", "checkpoints_intact", "replay_identical",
+                    "faults_detected", "restart_intensity_respected", "no_orphans",
+                    "reward_within_tolerance", "expected_end", "faults_injected",
+                    "samples_judged"]
 Baseline = Literal["fault_free", "job_restart"]
 Attack = Literal["endless_loop", "fork_bomb", "memory_hog", "disk_fill", "output_flood",
                  "kill_parent"]

@@ -12,8 +12,12 @@ Definitions the numbers rest on:
   (for an escalation: the escalating supervisor starts again); an absorbed fault is
   recovered when training went on: an RL step ended after it;
 - its *recovery time* is from injection (``fault.at``) to that START;
-- *goodput* is useful trained samples per second: the samples of each distinct RL step
-  (a step fed twice after a rewind counts once) over the run's wall time.
+- *goodput* is erlay's one definition (:mod:`erlay.actors.observe.goodput`): tokens of
+  samples the learner trained on (inside the staleness bound, judged, no user-code failure)
+  per second of wall time; here the tokens of each distinct RL step (a step fed twice after
+  a rewind counts once) over the RL wall time (first RL step's start to the last one's end,
+  restarts included; the whole run's wall time for run dirs without step windows).
+  Samples not trained are counted by reason beside it.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from erlay.actors.observe.goodput import DEFINITION, not_trained, trained_tokens
+from erlay.actors.observe.goodput import goodput as rate
 from erlay.chaos.faults import domain_of
 from erlay.chaos.invariants import (
     DETECTION_WINDOW_S,
     FaultMatch,
     RunObservation,
     Verdict,
-    distinct_steps,
     match_fault,
 )
 from erlay.supervisor.events import EventKind, SupervisorEvent
@@ -56,11 +61,15 @@ def percentiles(values: Iterable[float]) -> dict[str, float | int | None]:
 
 
 def goodput(metrics: Iterable[dict[str, Any]], wall_s: float) -> float:
-    """Useful trained samples per second: ``samples`` summed over distinct RL steps (the last
-    record of a step fed twice), divided by ``wall_s``; 0.0 for a run with no wall time."""
-    if wall_s <= 0:
-        return 0.0
-    return sum(int(m.get("samples", 0)) for m in distinct_steps(metrics)) / wall_s
+    """Goodput (:data:`erlay.actors.observe.goodput.DEFINITION`): ``trained_tokens`` summed
+    over distinct RL steps (the last record of a step fed twice), per second of ``wall_s``;
+    0.0 for a run with no wall time."""
+    return rate(trained_tokens(metrics), wall_s)
+
+
+def goodput_wall_s(obs: RunObservation) -> float:
+    """The wall time goodput is over: the RL wall time when the run has step windows."""
+    return obs.rl_wall_s if obs.rl_wall_s else obs.wall_s
 
 
 @dataclass(frozen=True)
@@ -165,15 +174,19 @@ def build_report(scenario_name: str, obs: RunObservation, verdicts: list[Verdict
                        "note": f"{match.note}; {rec.note}"})
     detected = [f["id"] for f in faults if f["detected"]]
     recovered = [f["id"] for f in faults if f["recovered"]]
-    rate = goodput(obs.metrics, obs.wall_s)
+    wall = goodput_wall_s(obs)
+    ours = goodput(obs.metrics, wall)
     samples = sum(int(m.get("samples", 0)) for m in obs.rl_steps())
-    good: dict[str, Any] = {"samples_per_s": rate, "samples": samples, "wall_s": obs.wall_s}
+    dropped = not_trained(obs.rl_steps())
+    good: dict[str, Any] = {"tokens_per_s": ours, "trained_tokens": trained_tokens(obs.metrics),
+                            "samples": samples, "not_trained": dropped, "wall_s": wall,
+                            "definition": DEFINITION}
     for name, base in sorted((baselines or {}).items()):
         theirs = base.get("goodput")
-        good[f"goodput_vs_{name}"] = rate / theirs if theirs else None
-    marked = sum(int(m.get("judge_marked", 0)) for m in obs.rl_steps())
+        good[f"goodput_vs_{name}"] = ours / theirs if theirs else None
+    marked = dropped["judge_failed"]
     judged = {"samples": samples, "judge_failed": marked,
-              "user_errors": sum(int(m.get("user_errors", 0)) for m in obs.rl_steps()),
+              "user_errors": dropped["user_errors"],
               "share": (1 - marked / samples) if samples else None}
     return {
         "scenario": scenario_name,
@@ -218,13 +231,13 @@ def _table(header: list[str], rows: Iterable[list[Any]]) -> list[str]:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """``chaos-report.md``: the report as tables (faults, recovery times, restarts,
-    invariants with PASS/FAIL/SKIP, goodput)."""
+    invariants with PASS/FAIL/N/A, goodput)."""
     verdicts = report["invariants"]
     counts = Counter(v["status"] for v in verdicts)
     overall = "PASS" if report["ok"] else "FAIL"
     lines = [f"# Chaos report: {report['scenario']}", "",
              f"- result: **{overall}** ({counts['PASS']} passed, {counts['FAIL']} failed, "
-             f"{counts['SKIP']} skipped)",
+             f"{counts['N/A']} not applicable)",
              f"- run status: {report['status']}"
              + (f" (offender {report['offender']})" if report["offender"] else "")
              + (f": {report['reason']}" if report.get("reason") else ""),
@@ -276,7 +289,12 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     good = report["goodput"]
     lines += ["", "## Goodput", ""]
-    rows = [["trained samples", good["samples"]], ["samples/s", good["samples_per_s"]]]
+    lines += [f"Goodput: {good['definition']}.", ""]
+    rows = [["goodput (trained tokens/s)", good["tokens_per_s"]],
+            ["trained tokens", good["trained_tokens"]], ["wall time (s)", good["wall_s"]],
+            ["samples", good["samples"]]]
+    rows += [[f"not trained: {k.replace('_', ' ')}", v]
+             for k, v in good["not_trained"].items()]
     rows += [[key.replace("goodput_vs_", "vs ").replace("_", " "), value]
              for key, value in good.items() if key.startswith("goodput_vs_")]
     lines += _table(["measure", "value"], rows)

@@ -40,17 +40,17 @@ from typing import Any
 from erlay.actors.config import JobConfig, load_config
 from erlay.actors.job.driver import Job, JobResult
 from erlay.actors.journal.store import Journal
-from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.journal.transitions import MemoryTransitions
 from erlay.actors.rundir import RunDir
 from erlay.chaos.faults import FaultRecord
+from erlay.chaos.gather import observe_run
 from erlay.chaos.injectors import FAILPOINT_HOMES, Injector
 from erlay.chaos.invariants import RunObservation, Verdict, check_all
 from erlay.chaos.processes import ProcessWatch
-from erlay.chaos.report import build_report, goodput, write_report
+from erlay.chaos.report import build_report, goodput, goodput_wall_s, write_report
 from erlay.chaos.scenario import ATTACKS, FaultSpec, Scenario, schedule
 from erlay.supervisor import failpoints
 from erlay.supervisor.errors import ChildNotRunning
-from erlay.supervisor.events import read_events
 from erlay.supervisor.raylocal import shutdown_ray
 
 log = logging.getLogger("erlay.chaos")
@@ -118,8 +118,9 @@ def run_scenario(scenario: Scenario, *, config: Path | None = None,
                          tolerance=scenario.reward_tolerance, expect_end=scenario.expect,
                          offender_pattern=scenario.offender, selected=list(scenario.invariants),
                          min_judged_share=scenario.min_judged_share)
-    summary = {name: {"goodput": goodput(b.observation.metrics, b.wall_s), "wall_s": b.wall_s,
-                      "status": b.status} for name, b in baselines.items()}
+    summary = {name: {"goodput": goodput(b.observation.metrics, goodput_wall_s(b.observation)),
+                      "wall_s": goodput_wall_s(b.observation), "status": b.status}
+               for name, b in baselines.items()}
     report = build_report(scenario.name, run.observation, verdicts, baselines=summary,
                           reason=run.reason if run.status != "finished" else "")
     report["attack_results"] = run.attack_results
@@ -206,9 +207,9 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
     elif result is not None and not stalled:
         status, reason = "failed", repr(result)
     orphans = watch.orphans()
-    observation = _observe(cfg, job.run_dir, memory, injector.records, wall_s, status,
-                           result.offender if isinstance(result, JobResult) else None, orphans,
-                           started_at=job._t0, not_injected=not_injected)
+    observation = observe_run(cfg, job.run_dir, memory, injector.records, wall_s, status,
+                              result.offender if isinstance(result, JobResult) else None,
+                              orphans, started_at=job._t0, not_injected=not_injected)
     return RunOutcome(name, job.run_dir, status, reason, wall_s, observation,
                       list(injector.records), list(injector.attack_results), not_injected)
 
@@ -404,13 +405,12 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
     wall_s = time.time() - started
     status = "finished" if resumed.returncode == 0 else "failed"
     run_dir = RunDir(run_path)
-    memory = MemoryTransitions()
     with Journal.open(run_path / "journal", read_only=True) as journal:
-        for rid, step in journal.state.consumed.items():
-            memory.record(_consumed(rid, step))
+        consumed = dict(journal.state.consumed)
         dispatched = set(journal.state.consumed) | set(journal.state.rollouts)
-    observation = _observe(cfg, run_dir, memory, records, wall_s, status, None,
-                           watch.orphans(), dispatched=dispatched)
+    # The killed driver's stream died with it: only the journal's state is known here.
+    observation = observe_run(cfg, run_dir, None, records, wall_s, status, None,
+                              watch.orphans(), consumed=consumed, dispatched=dispatched)
     return RunOutcome(name, run_dir, status, resumed.stderr[-2000:], wall_s, observation,
                       records)
 
@@ -423,35 +423,3 @@ def _wait_for_rundir(parent: Path, proc: subprocess.Popen[bytes], bound: float) 
                 return run
         time.sleep(0.1)
     raise RuntimeError(f"the job under {parent} never reached its first RL step")
-
-
-def _consumed(rid: str, step: int) -> Any:
-    from erlay.actors.journal.transitions import Transition
-    return Transition(TransitionKind.CONSUMED, rid, {"step": step})
-
-
-# ------------------------------------------------------------------- observing
-def _observe(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions,
-             faults: list[FaultRecord], wall_s: float, status: str, offender: str | None,
-             orphans: list[dict[str, Any]], dispatched: set[str] | None = None,
-             started_at: float | None = None,
-             not_injected: list[str] | None = None) -> RunObservation:
-    events = read_events(run_dir.events) if run_dir.events.exists() else []
-    metrics = run_dir.read_metrics()
-    sup = cfg.supervision
-    intensity = {"erlay": (sup.root.intensity, sup.root.period)}
-    for domain in ("learner", "generation", "sandbox", "judge", "rollout"):
-        flags = getattr(sup, domain)
-        intensity[f"erlay/{domain}"] = (flags.intensity, flags.period)
-    consumed = [(t.rollout_id, int(t.data["step"]))
-                for t in memory.of(TransitionKind.CONSUMED)]
-    if dispatched is None:
-        dispatched = {t.rollout_id for t in memory.of(TransitionKind.DISPATCHED)}
-    steps = {m["step"] for m in metrics if m.get("phase") == "rl"}
-    return RunObservation(events=events, metrics=metrics, consumed_transitions=consumed,
-                          dispatched_ids=dispatched, steps_trained=len(steps), faults=faults,
-                          wall_s=wall_s, max_staleness=cfg.rollout.max_staleness,
-                          intensity=intensity, orphans=orphans, status=status,
-                          offender=offender, started_at=started_at,
-                          not_injected=list(not_injected or []))
-

@@ -22,7 +22,7 @@ def ev(supervisor: str, child: str | None, kind: EventKind, t: float,
 
 def rl(step: int, samples: int = 8, time: float = 0.0) -> dict[str, object]:
     return {"phase": "rl", "step": step, "samples": samples, "reward_mean": 0.5,
-            "time": time}
+            "time": time, "trained_samples": samples, "trained_tokens": 5 * samples}
 
 
 def test_percentiles_interpolate_between_ranks() -> None:
@@ -41,7 +41,7 @@ def test_percentiles_of_one_and_of_none() -> None:
 def test_goodput_counts_a_refed_step_once() -> None:
     metrics = [rl(0), rl(1), {"phase": "rewind", "from_step": 2, "to_step": 1}, rl(1), rl(2),
                {"phase": "checkpoint", "step": 2}]
-    assert goodput(metrics, 4.0) == pytest.approx(6.0)  # 3 steps x 8 samples / 4 s
+    assert goodput(metrics, 4.0) == pytest.approx(30.0)  # 3 steps x 40 tokens / 4 s
     assert goodput(metrics, 0.0) == 0.0
 
 
@@ -118,9 +118,12 @@ def test_goodput_ratios_against_baselines() -> None:
     baselines = {"fault_free": {"goodput": 5.0, "wall_s": 6.4},
                  "job_restart": {"goodput": 2.0}, "broken": {"goodput": 0.0}}
     good = build_report("mixed", _chaos_run(), VERDICTS, baselines=baselines)["goodput"]
-    assert good["samples"] == 32 and good["samples_per_s"] == pytest.approx(4.0)
-    assert good["goodput_vs_fault_free"] == pytest.approx(0.8)
-    assert good["goodput_vs_job_restart"] == pytest.approx(2.0)
+    # 4 steps x 40 trained tokens over the run's 8 s (no step windows in these records)
+    assert good["samples"] == 32 and good["tokens_per_s"] == pytest.approx(20.0)
+    assert good["trained_tokens"] == 160
+    assert good["not_trained"] == {"user_errors": 0, "judge_failed": 0, "masked_stale": 0}
+    assert good["goodput_vs_fault_free"] == pytest.approx(4.0)
+    assert good["goodput_vs_job_restart"] == pytest.approx(10.0)
     assert good["goodput_vs_broken"] is None
 
 
@@ -135,14 +138,14 @@ def test_markdown_shows_every_verdict_and_the_tables() -> None:
                           baselines={"fault_free": {"goodput": 5.0}})
     text = render_markdown(report)
     assert text.startswith("# Chaos report: mixed")
-    assert "**FAIL** (1 passed, 1 failed, 1 skipped)" in text
+    assert "**FAIL** (1 passed, 1 failed, 1 not applicable)" in text
     assert "| no_rollout_lost | PASS | all 32 rollouts consumed |" in text
     assert "| faults_detected | FAIL | #2 ray_kill undetected |" in text
-    assert "| replay_identical | SKIP |" in text
+    assert "| replay_identical | N/A |" in text
     assert "| sigkill | 2 | 375 | 498 | 500 | 0 |" in text
     assert "| sandbox_attack | no restart expected |" in text
     assert "| learner | hang | 1 |" in text
-    assert "| vs fault free | 0.8 |" in text
+    assert "| vs fault free | 4 |" in text
 
 
 def test_markdown_escapes_pipes_in_details() -> None:

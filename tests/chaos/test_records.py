@@ -1,0 +1,134 @@
+"""The record invariants (learner ledger vs journal, tool results, judgements, checkpoints)
+on hand-built runs: each holding, and each catching its planted violation.  No Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from erlay.actors.learner.ledger import LearnerLedger, effective_steps, read_ledger
+from erlay.chaos.observation import RunObservation
+from erlay.chaos.records import (
+    checkpoints_intact,
+    exactly_once,
+    judgements_stable,
+    staleness_within_bound,
+    steps_in_order,
+    tool_calls_once,
+)
+
+
+def rids(step: int, n: int = 2) -> list[str]:
+    return [f"r{step:05d}-g000-{k}" for k in range(n)]
+
+
+def start(step: int = 0) -> dict[str, Any]:
+    return {"event": "start", "step": step, "restored": step > 0}
+
+
+def trained(step: int, version: int | None = None, lag: int = 0,
+            ids: list[str] | None = None, masked: list[str] | None = None) -> dict[str, Any]:
+    v = step if version is None else version
+    return {"step": step, "version": v, "trained": dict.fromkeys(ids or rids(step), v - lag),
+            "masked": masked or []}
+
+
+def run(ledger: list[dict[str, Any]], steps: int = 3, **kw: Any) -> RunObservation:
+    consumed = [(r, s) for s in range(steps) for r in rids(s)]
+    return RunObservation(ledger=ledger, consumed_transitions=consumed, steps_trained=steps,
+                          dispatched_ids={r for r, _ in consumed}, **kw)
+
+
+CLEAN = [start(), trained(0), trained(1, version=5, lag=1), trained(2)]
+
+
+def test_a_clean_ledger_passes_every_ledger_invariant() -> None:
+    obs = run(CLEAN)
+    for check in (exactly_once, staleness_within_bound, steps_in_order):
+        verdict = check(obs)
+        assert verdict.ok is True, verdict
+
+
+def test_a_rollout_trained_twice_is_caught_though_the_ids_are_the_same() -> None:
+    planted = run([*CLEAN, trained(2)])    # step 2 fed again with no restore between
+    verdict = exactly_once(planted)
+    assert verdict.ok is False and "x2" in verdict.detail
+
+
+def test_a_restore_supersedes_what_the_lost_incarnation_trained() -> None:
+    # The learner trained 1 and 2, died, restored the checkpoint of step 1, trained 1, 2.
+    ledger = [start(), trained(0), trained(1), trained(2), start(1), trained(1), trained(2)]
+    assert [s.step for s in effective_steps(ledger)] == [0, 1, 2]
+    assert exactly_once(run(ledger)).ok is True
+    assert steps_in_order(run(ledger)).ok is True
+
+
+def test_journal_and_ledger_must_agree_both_ways() -> None:
+    missing = exactly_once(run([start(), trained(0), trained(1)]))
+    assert missing.ok is False and "never in the ledger" in missing.detail
+    extra = exactly_once(run([*CLEAN, trained(3)], steps=3))
+    assert extra.ok is False and "never consumed in the journal" in extra.detail
+    moved = exactly_once(run([start(), trained(0), trained(1, ids=rids(2)),
+                              trained(2, ids=rids(1))]))
+    assert moved.ok is False and "other than its id's" in moved.detail
+
+
+def test_a_trained_sample_over_the_bound_fails_and_a_masked_one_does_not() -> None:
+    planted = run([start(), trained(0), trained(1, version=5, lag=2), trained(2)],
+                  max_staleness=1)
+    verdict = staleness_within_bound(planted)
+    assert verdict.ok is False and "lag 2" in verdict.detail
+    masked = run([start(), trained(0), trained(1, ids=[], masked=rids(1)), trained(2)],
+                 max_staleness=0)
+    assert staleness_within_bound(masked).ok is True
+
+
+def test_a_step_out_of_order_fails() -> None:
+    verdict = steps_in_order(run([start(), trained(0), trained(2), trained(1)]))
+    assert verdict.ok is False and "step 2 trained where step 1 was due" in verdict.detail
+
+
+def test_without_a_ledger_the_ledger_invariants_fail_as_cannot_check() -> None:
+    for check in (exactly_once, staleness_within_bound, steps_in_order):
+        verdict = check(run(None))  # type: ignore[arg-type]
+        assert verdict.ok is False and verdict.detail.startswith("cannot check")
+
+
+def test_tool_calls_and_judgements() -> None:
+    assert tool_calls_once(RunObservation(tool_results=["a/tool0", "b/tool0"])).ok is True
+    twice = tool_calls_once(RunObservation(tool_results=["a/tool0", "a/tool0"]))
+    assert twice.ok is False and "a/tool0 x2" in twice.detail
+    same = [("a/judge", {"reward": 1.0}), ("a/judge", {"reward": 1.0})]
+    assert judgements_stable(RunObservation(judgements=same)).ok is True
+    changed = judgements_stable(RunObservation(judgements=[*same, ("a/judge", {"reward": 0})]))
+    assert changed.ok is False and "a/judge" in changed.detail
+    unobserved = RunObservation(stream_observed=False)
+    assert tool_calls_once(unobserved).ok is False
+    assert judgements_stable(unobserved).ok is False
+
+
+def test_checkpoints() -> None:
+    assert checkpoints_intact(RunObservation(checkpoints=[(0, None), (2, None)])).ok is True
+    torn = checkpoints_intact(RunObservation(checkpoints=[(0, None), (2, "sha256 differs")]))
+    assert torn.ok is False and "step 2" in torn.detail
+    assert checkpoints_intact(RunObservation(steps_trained=3, checkpoints=[])).ok is False
+    assert checkpoints_intact(RunObservation()).ok is False   # not listed: cannot check
+
+
+def test_the_ledger_file_round_trips_and_ignores_only_a_torn_last_line(tmp_path: Path) -> None:
+    ledger = LearnerLedger(tmp_path / "ledger.jsonl")
+    ledger.started(0, False)
+    ledger.trained(0, 5, ["r00000-g000-0", "r00000-g000-1"], [[5, 4, -1], [3]],
+                   [[True, True, False], [False]])
+    [step] = effective_steps(read_ledger(ledger.path))
+    assert (step.step, step.version) == (0, 5)
+    assert step.trained == {"r00000-g000-0": 4} and step.masked == ("r00000-g000-1",)
+    with open(ledger.path, "a") as f:
+        f.write('{"step": 1, "vers')          # a crash mid-write
+    assert len(read_ledger(ledger.path)) == 2
+    with open(ledger.path, "a") as f:
+        f.write('\n{"event": "start", "step": 0, "restored": true}\n')
+    with pytest.raises(ValueError, match="not a ledger record"):
+        read_ledger(ledger.path)               # a torn line that is not the last one
