@@ -4,6 +4,8 @@
   erlay chaos run SCENARIO         run a scenario, check its invariants, write its report
   erlay chaos run --all [--smoke]  every shipped scenario (or the CI smoke subset), one
                                    after another, then a table of their verdicts
+  erlay chaos selftest [--keep DIR] prove every invariant can fail: plant one violation
+                                   per invariant in a copy of a clean run (no Ray, seconds)
 
 Importing this module is cheap: the runner (and Ray) load inside :meth:`ChaosCommand.run`.
 """
@@ -28,6 +30,10 @@ class ChaosCommand:
     def configure(self, parser: argparse.ArgumentParser) -> None:
         sub = parser.add_subparsers(dest="chaos_command", required=True)
         sub.add_parser("list", help="the scenarios in configs/chaos/")
+        selftest = sub.add_parser("selftest", help="prove every invariant can fail: a clean "
+                                  "run must pass each, a planted violation must fail it")
+        selftest.add_argument("--keep", help="write the clean and planted runs here and keep "
+                              "them (default: a temporary directory, removed)")
         run = sub.add_parser("run", help="run a scenario, check its invariants and write "
                              "chaos-report.json/.md")
         run.add_argument("scenario", nargs="?", help="a scenario name (configs/chaos/NAME.yaml) "
@@ -43,6 +49,10 @@ class ChaosCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         from erlay.chaos.scenario import ScenarioError, list_scenarios, load_scenario
+        if args.chaos_command == "selftest":
+            from erlay.chaos.selftest import passed, run_selftest
+            result = run_selftest(Path(args.keep) if args.keep else None)
+            return 0 if passed(result) else 1
         if args.chaos_command == "list":
             for name, description, smoke in list_scenarios():
                 print(f"{name:28s} {'[smoke] ' if smoke else ''}{description}")
@@ -65,8 +75,7 @@ class ChaosCommand:
                               say=lambda line: print(line, flush=True),
                               with_baselines=not args.no_baselines)
         for verdict in result.verdicts:
-            mark = {True: "PASS", False: "FAIL", None: "SKIP"}[verdict.ok]
-            print(f"  {mark}  {verdict.name}: {verdict.detail}")
+            print(f"  {verdict.status:4s}  {verdict.name}: {verdict.detail}")
         print(f"erlay: chaos report {result.report_paths[1]}")
         failed = [v.name for v in result.verdicts if v.ok is False]
         print(f"erlay: chaos {scenario.name}: "
