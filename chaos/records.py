@@ -46,7 +46,15 @@ def exactly_once(obs: RunObservation) -> Verdict:
     consumed = {rid for rid, _ in obs.consumed_transitions}
     twice = sorted(f"{rid} x{n}" for rid, n in fed.items() if n > 1)
     never = sorted(consumed - set(fed))
-    unjournaled = sorted(set(fed) - consumed)
+    compared = set(fed)
+    note = ""
+    if not obs.stream_observed and consumed:
+        # Only the journal's compacted state is known: it keeps the consumed ids since the
+        # checkpoint it may restore; the ledger's older steps have no journal counterpart.
+        first = min(s for r in consumed if (s := rollout_step(r)) is not None)
+        compared = {r for r in fed if (rollout_step(r) or 0) >= first}
+        note = f" (journal compacted: compared from step {first})"
+    unjournaled = sorted(compared - consumed)
     problems = []
     if twice:
         problems.append(f"fed to the learner more than once: {few(twice)}")
@@ -59,7 +67,7 @@ def exactly_once(obs: RunObservation) -> Verdict:
     if problems:
         return Verdict(name, False, "; ".join(problems))
     return Verdict(name, True, f"{sum(fed.values())} rollouts over {len(steps)} ledger steps, "
-                               "each fed once, matching the journal")
+                               f"each fed once, matching the journal{note}")
 
 
 def staleness_within_bound(obs: RunObservation) -> Verdict:

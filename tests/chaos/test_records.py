@@ -132,3 +132,18 @@ def test_the_ledger_file_round_trips_and_ignores_only_a_torn_last_line(tmp_path:
         f.write('\n{"event": "start", "step": 0, "restored": true}\n')
     with pytest.raises(ValueError, match="not a ledger record"):
         read_ledger(ledger.path)               # a torn line that is not the last one
+
+
+def test_a_compacted_journal_is_compared_from_its_first_step_and_duplicates_still_count(
+) -> None:
+    """A resumed driver's observation has only the journal's compacted state: consumed ids
+    from the retained checkpoint on.  Older ledger steps are not 'unjournaled'; a rollout
+    fed twice is still caught."""
+    consumed = [(r, s) for s in (1, 2) for r in rids(s)]
+    obs = RunObservation(ledger=CLEAN, consumed_transitions=consumed, steps_trained=3,
+                         stream_observed=False)
+    verdict = exactly_once(obs)
+    assert verdict.ok is True and "compared from step 1" in verdict.detail
+    twice = RunObservation(ledger=[*CLEAN, trained(0)], consumed_transitions=consumed,
+                           steps_trained=3, stream_observed=False)
+    assert exactly_once(twice).ok is False
