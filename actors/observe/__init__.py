@@ -4,7 +4,9 @@
 - :mod:`.metrics`: the same numbers as Ray application metrics, for the dashboard;
 - :mod:`.status`: ``erlay status``, the live tree read through a named endpoint;
 - :mod:`.report`: ``erlay report``, Markdown and plots from a run directory;
-- :mod:`.attribution`: which fault domain cost the run what.
+- :mod:`.attribution`: which fault domain cost the run what time;
+- :mod:`.goodput`: goodput's one definition (trained tokens per second of wall time) and
+  the per-step counts of samples trained and not trained.
 
 Contract: observing never changes the job; reports read only the run directory.
 
