@@ -40,6 +40,10 @@ FAILPOINT_HOMES = {
     "judge.verdict": "erlay/judge/host@*",
     "learner.train_step": "erlay/learner/learner-*",
     "learner.checkpoint": "erlay/learner/learner-0",
+    "learner.checkpoint_before_swap": "erlay/learner/learner-0",
+    "learner.checkpoint_mid_swap": "erlay/learner/learner-0",
+    "learner.checkpoint_after_swap": "erlay/learner/learner-0",
+    "learner.checkpoint_before_cleanup": "erlay/learner/learner-0",
     "rollout.dispatch": "driver",
     "host.spawn": "erlay/sandbox/host@*",
 }

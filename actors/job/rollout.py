@@ -359,7 +359,14 @@ class RolloutRunner:
         trace = telemetry.carrier()
         while True:
             engine = await self.engines.acquire(exclude=frozenset(failed_engines))
-            incarnation = engine.incarnation
+            try:
+                incarnation = engine.incarnation
+            except CHILD_GONE:  # gone between acquire and here: give it back, pick again
+                self.engines.release(engine)
+                if time.monotonic() > give_up:
+                    raise
+                await asyncio.sleep(0.02)
+                continue
             # Unique per attempt: a failed-over or replayed turn must not collide with a
             # request of the same turn that an engine (or a dead coordinator) still runs.
             request = GenerationRequest(
