@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,12 +254,26 @@ def _inject_on_schedule(scenario: Scenario, injector: Injector, job: Job,
                               f"{scenario.faults[index].target}): {problem}")
         if not due:
             time.sleep(0.02 if not stepped else 0.05)
-    for _, index in [*timed, *((i, j) for i, j in stepped)]:
+    return failed + unfired(scenario, [i for _, i in timed], [i for _, i in stepped])
+
+
+def unfired(scenario: Scenario, timed_left: list[int], stepped_left: list[int]) -> list[str]:
+    """What the job ending first kept from firing, given the fault indices of the firings
+    still pending: every ``at``/``at_step`` fault, and each repeating fault that fired fewer
+    than its ``count.min`` times (firings past ``count.min`` are extras a job that ended
+    early may go without).  Faults armed at process start (``scope: env``) never pend."""
+    scheduled = Counter(i for _, i in schedule(list(scenario.faults), scenario.duration_s))
+    missed = Counter(timed_left)
+    out = []
+    for index in [*timed_left, *stepped_left]:
         fault = scenario.faults[index]
-        if fault.params.get("scope") != "env":
-            failed.append(f"faults.{index} ({fault.inject} {fault.target}): never fired, "
-                          "the job ended first")
-    return failed
+        if fault.params.get("scope") == "env":
+            continue
+        if fault.count is not None and scheduled[index] - missed[index] >= fault.count.min:
+            continue
+        out.append(f"faults.{index} ({fault.inject} {fault.target}): never fired, "
+                   "the job ended first")
+    return out
 
 
 RETARGET_S = 10.0  # how long a fault waits for a target that is between incarnations
