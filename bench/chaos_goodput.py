@@ -23,12 +23,10 @@ import argparse
 import json
 import logging
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from erlay.actors.learner.ledger import effective_steps
-from erlay.chaos.observation import rollout_step
+from erlay.chaos.records import lost_rollouts, trained_twice
 from erlay.chaos.report import percentiles
 from erlay.chaos.runner import ChaosResult, run_scenario
 from erlay.chaos.scenario import load_scenario
@@ -38,10 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def figures(result: ChaosResult) -> dict[str, Any]:
     obs = result.run.observation
-    consumed = {rid for rid, _ in obs.consumed_transitions}
-    due = {rid for rid in obs.dispatched_ids if (rollout_step(rid) or 0) < obs.steps_trained}
-    fed = Counter(rid for s in effective_steps(obs.ledger or [])
-                  for rid in [*s.trained, *s.masked])
+    twice = trained_twice(obs)
     recovery = [f["recovery_ms"] for f in result.report["faults"]
                 if f.get("recovery_ms") is not None]
     spread = percentiles(recovery)
@@ -50,8 +45,8 @@ def figures(result: ChaosResult) -> dict[str, Any]:
         "faults_injected": len(result.run.faults),
         "faults_detected": result.report["detected"]["count"],
         "faults_recovered": result.report["recovered"]["count"],
-        "rollouts_lost": len(due - consumed),
-        "trained_twice": sum(n > 1 for n in fed.values()) if obs.ledger is not None else None,
+        "rollouts_lost": len(lost_rollouts(obs)),
+        "trained_twice": None if twice is None else len(twice),
         "orphans": len(obs.orphans),
         "goodput_vs_fault_free": _round(good.get("goodput_vs_fault_free")),
         "goodput_vs_job_restart": _round(good.get("goodput_vs_job_restart")),

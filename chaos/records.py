@@ -26,6 +26,27 @@ def _ledger(obs: RunObservation, name: str) -> list[LedgerStep] | Verdict:
         return cannot_check(name, f"the learner ledger is unreadable: {exc!r}")
 
 
+def lost_rollouts(obs: RunObservation) -> list[str]:
+    """Dispatched rollouts of trained steps that never reached CONSUMED in the journal."""
+    consumed = {rid for rid, _ in obs.consumed_transitions}
+    return sorted(r for r in obs.dispatched_ids
+                  if (s := rollout_step(r)) is not None and s < obs.steps_trained
+                  and r not in consumed)
+
+
+def trained_twice(obs: RunObservation) -> list[str] | None:
+    """Rollouts the learner's ledger shows fed more than once in its surviving timeline;
+    None when the run has no (readable) ledger."""
+    try:
+        steps = effective_steps(obs.ledger) if obs.ledger is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
+    if steps is None:
+        return None
+    fed = Counter(rid for s in steps for rid in [*s.trained, *s.masked])
+    return sorted(rid for rid, n in fed.items() if n > 1)
+
+
 def exactly_once(obs: RunObservation) -> Verdict:
     """Every rollout the journal says was consumed was fed to the learner exactly once, by
     the step its id names, in the learner's surviving timeline (the ledger), and the ledger

@@ -2,7 +2,9 @@
 
 Each scenario runs as :func:`erlay.chaos.runner.run_scenario` runs it alone, writing its own
 report; the table then has one row per scenario: its verdict, how the run ended, the faults
-injected, detected and recovered, the exactly-once and orphan figures, and the wall time.
+injected, detected and recovered, the rollouts lost (journal) and trained twice (learner
+ledger), the orphans, goodput (trained tokens/s) and its ratio to the fault-free run, and
+the wall time.
 The table is printed and written to ``<parent>/chaos-all.md``.  The exit code is 0 only when
 every scenario passed.
 """
@@ -13,29 +15,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from erlay.chaos.records import lost_rollouts, trained_twice
 from erlay.chaos.runner import ROOT, ChaosResult, run_scenario
 from erlay.chaos.scenario import list_scenarios, load_scenario
 
 HEADER = ["scenario", "verdict", "run", "faults", "detected", "recovered", "rollouts lost",
-          "duplicates", "orphans", "failed invariants", "wall (s)"]
+          "trained twice", "orphans", "goodput (tok/s)", "vs fault-free", "failed invariants",
+          "wall (s)"]
 
 
-def _verdict(result: ChaosResult, name: str) -> str:
-    for verdict in result.verdicts:
-        if verdict.name == name:
-            return {True: "0", False: "FAIL", None: "n/a"}[verdict.ok]
-    return "not checked"
+def _count(items: list[str] | None) -> str:
+    return "no ledger" if items is None else str(len(items))
 
 
 def row(result: ChaosResult) -> list[Any]:
     """One line of the table for one scenario's result."""
-    report = result.report
+    report, obs = result.report, result.run.observation
     failed = [v.name for v in result.verdicts if v.ok is False]
+    good = report["goodput"]
+    ratio = good.get("goodput_vs_fault_free")
     return [result.scenario, "PASS" if result.ok else "FAIL", result.run.status,
             len(report["faults"]), report["detected"]["count"], report["recovered"]["count"],
-            _verdict(result, "no_rollout_lost"), _verdict(result, "no_duplicate_consumption"),
-            len(result.run.observation.orphans), ", ".join(failed) or "-",
-            f"{result.run.wall_s:.0f}"]
+            len(lost_rollouts(obs)), _count(trained_twice(obs)), len(obs.orphans),
+            f"{good['tokens_per_s']:.0f}", "-" if ratio is None else f"{ratio:.2f}",
+            ", ".join(failed) or "-", f"{result.run.wall_s:.0f}"]
 
 
 def table(rows: list[list[Any]]) -> str:

@@ -147,3 +147,13 @@ def test_a_compacted_journal_is_compared_from_its_first_step_and_duplicates_stil
     twice = RunObservation(ledger=[*CLEAN, trained(0)], consumed_transitions=consumed,
                            steps_trained=3, stream_observed=False)
     assert exactly_once(twice).ok is False
+
+
+def test_the_counts_the_suite_table_shows() -> None:
+    from erlay.chaos.records import lost_rollouts, trained_twice
+    obs = run(CLEAN)
+    assert lost_rollouts(obs) == [] and trained_twice(obs) == []
+    obs.consumed_transitions.pop()               # the last rollout of step 2 never consumed
+    assert lost_rollouts(obs) == [rids(2)[-1]]
+    assert trained_twice(run([*CLEAN, trained(1)])) == rids(1)
+    assert trained_twice(run(None)) is None      # type: ignore[arg-type]
