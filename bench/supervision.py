@@ -277,7 +277,8 @@ def bench_hosted_restart(trials: int, plant: str | None) -> tuple[list[float], l
     """SIGKILL of a subprocess child, and a crashing call of an in-process child, each until
     the restarted child answers with a new incarnation.  The host holds nothing else."""
     import ray
-    sock = os.path.join(tempfile.mkdtemp(prefix="erlay-bench-"), "child.sock")
+    workdir = tempfile.TemporaryDirectory(prefix="erlay-bench-")
+    sock = os.path.join(workdir.name, "child.sock")
     hosted = (ChildSpec("proc", SubprocessStart((sys.executable, "-S", "-c", ANSWERER),
                                                 env={"BENCH_SOCKET": sock}, wait_ready=True)),
               ChildSpec("obj", InProcessStart(Target)))
@@ -285,26 +286,29 @@ def bench_hosted_restart(trials: int, plant: str | None) -> tuple[list[float], l
                                                                 node_id=local_node_id()))]).start()
     host = tree.ref("bhr/pool/host@n0")
     sub_ms, obj_ms = [], []
-    for _ in range(trials):
-        time.sleep(0.1)
-        old = ask_socket(sock)
-        started = time.perf_counter()
-        if plant != "hosted_restart_ms":
-            os.kill(old[1], signal.SIGKILL)
-        until_new(lambda: ask_socket(sock), lambda a, o=old: a[0] > o[0] and a[1] != o[1],
-                  "hosted_restart_ms", 10)
-        sub_ms.append((time.perf_counter() - started) * 1000)
-        old = ray.get(host.call.remote("obj", "which"))  # its pid is the host's
-        started = time.perf_counter()
-        if plant != "hosted_inprocess_restart_ms":
-            try:
-                ray.get(host.call.remote("obj", "crash"))
-            except Exception:  # the crash is the point
-                pass
-        until_new(lambda: ray.get(host.call.remote("obj", "which")),
-                  lambda a, o=old: a[0] > o[0], "hosted_inprocess_restart_ms", 10)
-        obj_ms.append((time.perf_counter() - started) * 1000)
-    tree.stop()
+    try:
+        for _ in range(trials):
+            time.sleep(0.1)
+            old = ask_socket(sock)
+            started = time.perf_counter()
+            if plant != "hosted_restart_ms":
+                os.kill(old[1], signal.SIGKILL)
+            until_new(lambda: ask_socket(sock), lambda a, o=old: a[0] > o[0] and a[1] != o[1],
+                      "hosted_restart_ms", 10)
+            sub_ms.append((time.perf_counter() - started) * 1000)
+            old = ray.get(host.call.remote("obj", "which"))  # its pid is the host's
+            started = time.perf_counter()
+            if plant != "hosted_inprocess_restart_ms":
+                try:
+                    ray.get(host.call.remote("obj", "crash"))
+                except Exception:  # the crash is the point
+                    pass
+            until_new(lambda: ray.get(host.call.remote("obj", "which")),
+                      lambda a, o=old: a[0] > o[0], "hosted_inprocess_restart_ms", 10)
+            obj_ms.append((time.perf_counter() - started) * 1000)
+    finally:
+        tree.stop()
+        workdir.cleanup()
     return sub_ms, obj_ms
 
 
@@ -317,21 +321,23 @@ def bench_actor_restart(trials: int, plant: str | None) -> tuple[list[float], li
                            sink=sink).start()
     ref = tree.ref("bar/gen/engine")
     restart_ms, detect_ms = [], []
-    for _ in range(trials):
-        time.sleep(0.5)
-        old = (ref.incarnation, ray.get(ref.pid.remote()))
-        seen = len(sink.of(EventKind.EXIT))
-        killed_at = time.time()
-        started = time.perf_counter()
-        if plant != "actor_restart_ms":
-            os.kill(old[1], signal.SIGKILL)
-        until_new(lambda: (ref.incarnation, ray.get(ref.pid.remote(), timeout=5)),
-                  lambda a, o=old: a[0] > o[0] and a[1] != o[1], "actor_restart_ms", 30)
-        restart_ms.append((time.perf_counter() - started) * 1000)
-        exits = sink.of(EventKind.EXIT)
-        assert len(exits) == seen + 1, "one exit event per kill"
-        detect_ms.append((exits[-1].time - killed_at) * 1000)
-    tree.stop()
+    try:
+        for _ in range(trials):
+            time.sleep(0.5)
+            old = (ref.incarnation, ray.get(ref.pid.remote()))
+            seen = len(sink.of(EventKind.EXIT))
+            killed_at = time.time()
+            started = time.perf_counter()
+            if plant != "actor_restart_ms":
+                os.kill(old[1], signal.SIGKILL)
+            until_new(lambda: (ref.incarnation, ray.get(ref.pid.remote(), timeout=5)),
+                      lambda a, o=old: a[0] > o[0] and a[1] != o[1], "actor_restart_ms", 30)
+            restart_ms.append((time.perf_counter() - started) * 1000)
+            exits = sink.of(EventKind.EXIT)
+            assert len(exits) == seen + 1, "one exit event per kill"
+            detect_ms.append((exits[-1].time - killed_at) * 1000)
+    finally:
+        tree.stop()
     return restart_ms, detect_ms
 
 
@@ -341,16 +347,18 @@ def bench_ray_native_restart(trials: int, plant: str | None) -> list[float]:
     import ray
     native = ray.remote(num_cpus=0, max_restarts=-1)(Target).remote()
     out = []
-    for _ in range(trials):
-        time.sleep(0.5)
-        old = ray.get(native.pid.remote())
-        started = time.perf_counter()
-        if plant != "ray_native_restart_ms":
-            os.kill(old, signal.SIGKILL)
-        until_new(lambda: (0, ray.get(native.pid.remote(), timeout=5)),
-                  lambda a, o=old: a[1] != o, "ray_native_restart_ms", 30)
-        out.append((time.perf_counter() - started) * 1000)
-    ray.kill(native)
+    try:
+        for _ in range(trials):
+            time.sleep(0.5)
+            old = ray.get(native.pid.remote())
+            started = time.perf_counter()
+            if plant != "ray_native_restart_ms":
+                os.kill(old, signal.SIGKILL)
+            until_new(lambda: (0, ray.get(native.pid.remote(), timeout=5)),
+                      lambda a, o=old: a[1] != o, "ray_native_restart_ms", 30)
+            out.append((time.perf_counter() - started) * 1000)
+    finally:
+        ray.kill(native)
     return out
 
 
