@@ -1,17 +1,29 @@
 """Benchmark: what a disarmed failpoint costs.
 
-(a) Micro: ns per call of a disarmed ``failpoint()`` against an empty function call and no
-    call at all, in a tight loop (medians of several repeats); the same for ``await
-    afailpoint()`` in a coroutine; and a disarmed name while *another* name is armed.
-(b) Macro: the built-in torch engine's decode throughput (tokens/s), in process and without
-    Ray, with the ``generation.decode_step`` failpoint present but disarmed against the same
-    decode step compiled from its source with that line removed (a build with no failpoint at
-    all).  The two alternate round by round (ABBA...), and the ratio is the median of the
-    per-round time ratios, because these machines are shared and noisy.
+(a) Micro, in one thread with nothing else running in the process: the time of a tight
+    ``for`` loop of ``--iterations`` iterations, from before its first iteration until after
+    its last, divided by the iterations (median of ``--repeats`` loops), for a loop that
+    calls a disarmed ``failpoint()`` against one that calls an empty function and one with
+    no call at all; the same for ``await afailpoint()`` in a coroutine (a tenth of the
+    iterations); and a disarmed name while *another* name is armed.  ``*_ns_per_call`` is
+    net of the empty loop.
+(b) Macro: the built-in torch engine's decode throughput, in process and without Ray, for a
+    small policy (d_model 64, 2 layers, 96 positions): ``--requests`` requests of
+    ``--new-tokens`` tokens each, ``max_batch`` 64, from the first request handed to
+    ``generate_many`` until its last chunk, with the ``generation.decode_step`` failpoint
+    present but disarmed, against the same decode step compiled from its source with that
+    line removed (a build with no failpoint at all).  The two alternate round by round
+    (ABBA..., ``--rounds`` rounds after one warm-up each), and the ratio with/without is the
+    median of the per-round time ratios, because these machines are shared and noisy.
 
-Prints a table, then one JSON object as the last line.
+``--runs`` repeats (a) and (b) with a fresh engine; every figure is reported as
+``{"median", "min", "max", "runs"}`` over the runs (a target met by one lucky run is a miss).
+The JSON keys keep their meaning from before ``--runs``, each now a run's figure spread over
+the runs; ``decode_ratio_min`` / ``_max`` are the extreme round ratios of all runs;
+``load_avg_1m`` is the 1-minute load average at the start and the end.  Prints a table that
+names what each figure measures, then one JSON object as the last line.
 
-    python bench/failpoints.py [--iterations 10000000] [--repeats 5] [--rounds 8]
+    python bench/failpoints.py [--iterations 10000000] [--repeats 5] [--rounds 8] [--runs 3]
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import argparse
 import asyncio
 import inspect
 import json
+import os
 import statistics
 import textwrap
 import time
@@ -167,6 +180,33 @@ async def macro(rounds: int, n: int, new_tokens: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- main
+def spread(values: list[float], digits: int = 2) -> dict[str, Any]:
+    """Median, min and max over runs: the form every figure is reported in."""
+    return {"median": round(statistics.median(values), digits),
+            "min": round(min(values), digits), "max": round(max(values), digits),
+            "runs": len(values)}
+
+
+def one_run(args: argparse.Namespace) -> tuple[dict[str, float], list[float]]:
+    """One run's figures (the JSON keys) and its per-round decode time ratios."""
+    m = micro(args.iterations, args.repeats)
+    d = asyncio.run(macro(args.rounds, args.requests, args.new_tokens))
+    anet = m["async_disarmed_ns"] - m["async_loop_ns"]
+    return {
+        "disarmed_ns_per_call": m["disarmed_ns"] - m["loop_ns"],
+        "empty_call_ns": m["empty_call_ns"] - m["loop_ns"],
+        "loop_ns": m["loop_ns"],
+        "other_armed_ns_per_call": m["other_armed_ns"] - m["loop_ns"],
+        "async_disarmed_ns_per_await": anet,
+        "async_empty_ns_per_await": m["async_empty_ns"] - m["async_loop_ns"],
+        "decode_tokens_per_s_with": statistics.median(d["tps"]["with"]),
+        "decode_tokens_per_s_without": statistics.median(d["tps"]["without"]),
+        "decode_overhead_ratio": statistics.median(d["ratios"]),
+        "decode_step_ms": d["step_ms"],
+        "failpoint_share_of_step": anet / (d["step_ms"] * 1e6),
+    }, d["ratios"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=10_000_000)
@@ -174,59 +214,52 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=80)
+    parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
 
-    started = time.perf_counter()
-    m = micro(args.iterations, args.repeats)
-    d = asyncio.run(macro(args.rounds, args.requests, args.new_tokens))
-    tps_with = statistics.median(d["tps"]["with"])
-    tps_without = statistics.median(d["tps"]["without"])
-    ratio = statistics.median(d["ratios"])
-    net = m["disarmed_ns"] - m["loop_ns"]
-    net_empty = m["empty_call_ns"] - m["loop_ns"]
-    anet = m["async_disarmed_ns"] - m["async_loop_ns"]
+    began, load0 = time.perf_counter(), os.getloadavg()[0]
+    runs = [one_run(args) for _ in range(args.runs)]
+    load1 = os.getloadavg()[0]
+    figures = [f for f, _ in runs]
+    rounds = [q for _, ratios in runs for q in ratios]
+    out: dict[str, Any] = {}
+    for key in figures[0]:
+        digits = 6 if key == "failpoint_share_of_step" else 4 if "ratio" in key else 2
+        out[key] = spread([f[key] for f in figures], digits)
+    out.update({"decode_ratio_min": round(min(rounds), 4),
+                "decode_ratio_max": round(max(rounds), 4),
+                "iterations": args.iterations, "repeats": args.repeats,
+                "rounds": args.rounds, "runs": args.runs,
+                "load_avg_1m": [round(load0, 2), round(load1, 2)],
+                "wall_s": round(time.perf_counter() - began, 1)})
 
-    print(f"micro: {args.iterations:,} iterations x {args.repeats} (async: 1/10 of that), "
-          "median ns per iteration")
-    rows = [("no call (loop only)", m["loop_ns"], 0.0),
-            ("empty function call", m["empty_call_ns"], net_empty),
-            ("failpoint(), disarmed", m["disarmed_ns"], net),
-            ("failpoint(), another name armed", m["other_armed_ns"],
-             m["other_armed_ns"] - m["loop_ns"]),
-            ("async: no await (loop only)", m["async_loop_ns"], 0.0),
-            ("async: await empty coroutine", m["async_empty_ns"],
-             m["async_empty_ns"] - m["async_loop_ns"]),
-            ("async: await afailpoint(), disarmed", m["async_disarmed_ns"], anet)]
-    print(f"  {'variant':38s} {'ns/iter':>9s} {'ns net':>9s}")
-    for label, total, net_ns in rows:
-        print(f"  {label:38s} {total:9.1f} {net_ns:9.1f}")
-    print(f"\nmacro: torch engine, {args.requests} requests x {args.new_tokens} tokens per run, "
-          f"{args.rounds} interleaved rounds, ~{d['step_ms']:.2f} ms per decode step")
-    print(f"  {'round':>5s} {'with tok/s':>11s} {'without tok/s':>14s} {'time ratio':>11s}")
-    for r, (w, wo, q) in enumerate(zip(d["tps"]["with"], d["tps"]["without"], d["ratios"],
-                                       strict=True)):
-        print(f"  {r:5d} {w:11.0f} {wo:14.0f} {q:11.4f}")
-    print(f"  median: {tps_with:.0f} vs {tps_without:.0f} tok/s; with/without time ratio "
-          f"{ratio:.4f} (rounds span {min(d['ratios']):.3f}..{max(d['ratios']):.3f})")
-    share = anet / (d["step_ms"] * 1e6)
-    print(f"  one disarmed afailpoint per step is {share:.2e} of a step "
-          f"({anet:.0f} ns of {d['step_ms']:.2f} ms)")
-    print(f"total {time.perf_counter() - started:.1f} s")
-    print(json.dumps({
-        "disarmed_ns_per_call": round(net, 2),
-        "empty_call_ns": round(net_empty, 2),
-        "loop_ns": round(m["loop_ns"], 2),
-        "other_armed_ns_per_call": round(m["other_armed_ns"] - m["loop_ns"], 2),
-        "async_disarmed_ns_per_await": round(anet, 2),
-        "async_empty_ns_per_await": round(m["async_empty_ns"] - m["async_loop_ns"], 2),
-        "decode_tokens_per_s_with": round(tps_with, 1),
-        "decode_tokens_per_s_without": round(tps_without, 1),
-        "decode_overhead_ratio": round(ratio, 4),
-        "decode_ratio_min": round(min(d["ratios"]), 4),
-        "decode_ratio_max": round(max(d["ratios"]), 4),
-        "decode_step_ms": round(d["step_ms"], 3),
-        "failpoint_share_of_step": float(f"{share:.3g}"),
-    }))
+    loop = f"{args.iterations:,}-iteration loop, median of {args.repeats}"
+    decode = (f"torch engine, {args.requests} requests x {args.new_tokens} tokens, first "
+              f"request -> last chunk, {args.rounds} ABBA rounds")
+    rows = [
+        ("loop_ns", "empty loop, per iteration: " + loop),
+        ("empty_call_ns", "an empty function call, net of the loop"),
+        ("disarmed_ns_per_call", "failpoint(), disarmed, net of the loop"),
+        ("other_armed_ns_per_call", "failpoint(), another name armed, net of the loop"),
+        ("async_empty_ns_per_await", "await an empty coroutine, net (1/10 the iterations)"),
+        ("async_disarmed_ns_per_await", "await afailpoint(), disarmed, net"),
+        ("decode_tokens_per_s_with", f"{decode}; failpoint disarmed (median round)"),
+        ("decode_tokens_per_s_without", "the same, decode step built without the failpoint"),
+        ("decode_overhead_ratio", "with / without time, median of the rounds (noise ~ +-10%)"),
+        ("decode_step_ms", "median round's wall time (with) / its mean decode steps"),
+        ("failpoint_share_of_step", "async_disarmed_ns_per_await / decode_step_ms"),
+    ]
+    print(f"{args.runs} runs, median (min-max) of each run's figure; in process, no Ray, the "
+          f"engine with {torch.get_num_threads()} torch threads; 1-min load average "
+          f"{load0:.2f} -> {load1:.2f}")
+    print(f"  {'figure':30s} {'median (min-max)':>30s}  what it measures")
+    for key, what in rows:
+        s = out[key]
+        cell = f"{s['median']:.4g} ({s['min']:.4g}-{s['max']:.4g})"
+        print(f"  {key:30s} {cell:>30s}  {what}")
+    print(f"  decode round ratios over all runs span {out['decode_ratio_min']:.3f}.."
+          f"{out['decode_ratio_max']:.3f}; total {out['wall_s']:.1f} s")
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
