@@ -32,12 +32,22 @@ precompiled C++ header off).  A second pair, ``stock``, keeps Inductor's default
 warm child rebuilds the 150 MB header, which lives outside the cache directory, before its first
 forward.
 
-Also: ``seed_s`` (one sequential extraction), ``archive_s``, ``archive_mb``, and each child's
-whole wall time including interpreter start and ``import torch`` (``*_process_s``), which
-the cache cannot shorten.  Prints a table, then one JSON object as the last line.  Target:
-``warm_over_cold`` <= 0.1.
+Also: ``seed_s`` (``JitCache.seed()`` call to return: one sequential extraction),
+``archive_s`` (``elect()`` + ``archive()`` call to return), ``archive_mb``, and each child's
+whole wall time from spawn to exit, including interpreter start and ``import torch``
+(``*_process_s``), which the cache cannot shorten.  The load: one child at a time, on
+torch's default threads, a batch of 3 prompts; nothing else of the bench runs meanwhile.
 
-    python bench/jit_cache.py [--dir /tmp] [--no-stock] [--keep]
+``--runs`` repeats the whole measurement (each run with its own empty nodes and archives);
+every figure is then reported as ``{"median", "min", "max", "runs"}`` over the runs (a target
+met by one lucky run is a miss).  The JSON keys keep their meaning from before ``--runs``,
+each now a run's figure spread over the runs; ``load_avg_1m`` is the 1-minute load average at
+the start and the end.  A run takes minutes (the cold compiles), so the default is 1.  Prints
+a table of each child's figures (medians over the runs), a table that names what each
+headline figure measures, then one JSON object as the last line.  Target: ``warm_over_cold``
+<= 0.1.
+
+    python bench/jit_cache.py [--dir /tmp] [--no-stock] [--keep] [--runs 1]
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,6 +165,84 @@ def cold_then_warm(workdir: Path, label: str, **overrides: str) -> dict[str, Any
             "seeded_files": seeded.files}
 
 
+def figures(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """One run's headline figures (the JSON keys) from its cold/warm pairs."""
+    erlay = runs["erlay"]
+    cold, warm = erlay["cold"], erlay["warm"]
+    out = {
+        "cold_s": cold["fwd_s"],
+        "warm_s": warm["fwd_s"],
+        "warm_over_cold": warm["fwd_s"] / cold["fwd_s"],
+        "archive_mb": erlay["archive_mb"],
+        "seed_s": erlay["seed_s"],
+        "archive_s": erlay["archive_s"],
+        "warm_plus_seed_over_cold": (warm["fwd_s"] + erlay["seed_s"]) / cold["fwd_s"],
+        "warm_incl_compiler_import_over_cold":
+            (warm["fwd_s"] + warm["compiler_import_s"])
+            / (cold["fwd_s"] + cold["compiler_import_s"]),
+        "cold_train_s": cold["train_s"],
+        "warm_train_s": warm["train_s"],
+        "compiler_import_s": warm["compiler_import_s"],
+        "cold_process_s": cold["process_s"],
+        "warm_process_s": warm["process_s"],
+        "warm_fxgraph_cache_hit": warm["fxgraph_cache_hit"],
+        "warm_fxgraph_cache_miss": warm["fxgraph_cache_miss"],
+        "warm_autograd_cache_hit": warm["autograd_cache_hit"],
+        "warm_autograd_cache_miss": warm["autograd_cache_miss"],
+        "cold_fxgraph_cache_miss": cold["fxgraph_cache_miss"],
+        "seeded_files": erlay["seeded_files"],
+        "seeded_mb": erlay["seeded_mb"],
+    }
+    if "stock" in runs:
+        stock = runs["stock"]
+        out.update({
+            "stock_cold_s": stock["cold"]["fwd_s"],
+            "stock_warm_s": stock["warm"]["fwd_s"],
+            "stock_warm_over_stock_cold": stock["warm"]["fwd_s"] / stock["cold"]["fwd_s"],
+            "warm_over_stock_cold": warm["fwd_s"] / stock["cold"]["fwd_s"],
+            "stock_outside_cache_mb": stock["cold"]["outside_cache_mb"],
+        })
+    return out
+
+
+def spread(values: list[float], digits: int = 4) -> dict[str, Any]:
+    """Median, min and max over runs: the form every figure is reported in."""
+    return {"median": round(statistics.median(values), digits),
+            "min": round(min(values), digits), "max": round(max(values), digits),
+            "runs": len(values)}
+
+
+FWD = "torch.compile(model) -> first compiled forward's output, no_grad, compiler imports out"
+# (figure, what it measures: from what event to what event).
+WHAT: list[tuple[str, str]] = [
+    ("cold_s", f"fresh process, empty cache: {FWD}"),
+    ("warm_s", f"fresh process, node seeded from the cold node's archive: {FWD}"),
+    ("warm_over_cold", "warm_s / cold_s (target <= 0.1)"),
+    ("warm_plus_seed_over_cold", "(warm_s + seed_s) / cold_s"),
+    ("warm_incl_compiler_import_over_cold", "(fwd + compiler_import_s) warm / cold"),
+    ("cold_train_s", "after the first forward: first forward+backward -> its end, cold"),
+    ("warm_train_s", "the same, warm"),
+    ("compiler_import_s", "import torch._dynamo + torch._inductor.compile_fx, warm child"),
+    ("cold_process_s", "cold child spawned -> exited (interpreter, import torch, compile)"),
+    ("warm_process_s", "warm child spawned -> exited"),
+    ("seed_s", "JitCache.seed() call -> return (one sequential extraction)"),
+    ("archive_s", "JitCache.elect() + archive() call -> return"),
+    ("archive_mb", "the archive's size (compressed)"),
+    ("seeded_mb", "what seed() extracted (uncompressed)"),
+    ("seeded_files", "files seed() extracted"),
+    ("warm_fxgraph_cache_hit", "Inductor FX graph cache hits in the warm child"),
+    ("warm_fxgraph_cache_miss", "... misses in the warm child (0 = a real warm start)"),
+    ("warm_autograd_cache_hit", "AOT autograd cache hits in the warm child"),
+    ("warm_autograd_cache_miss", "... misses in the warm child"),
+    ("cold_fxgraph_cache_miss", "FX graph cache misses in the cold child"),
+    ("stock_cold_s", f"Inductor's default flags (C++ header on), empty cache: {FWD}"),
+    ("stock_warm_s", "the same, seeded node (rebuilds the header outside the cache)"),
+    ("stock_warm_over_stock_cold", "stock_warm_s / stock_cold_s"),
+    ("warm_over_stock_cold", "warm_s / stock_cold_s"),
+    ("stock_outside_cache_mb", "what the stock cold child wrote outside the cache dirs"),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -161,70 +250,53 @@ def main() -> None:
     parser.add_argument("--no-stock", action="store_true",
                         help="skip the pair with Inductor's stock precompiled C++ header")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="whole measurements (median, min..max); minutes each")
     args = parser.parse_args()
     if args.child:
         child()
         return
     logging.basicConfig(level=logging.WARNING)
+    began, load0 = time.perf_counter(), os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="erlay-bench-jitcache-", dir=args.dir))
+    all_runs: list[dict[str, dict[str, Any]]] = []
     try:
-        runs = {"erlay": cold_then_warm(workdir, "erlay")}
-        if not args.no_stock:
-            runs["stock"] = cold_then_warm(workdir, "stock",
-                                           TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1")
+        for r in range(args.runs):
+            runs = {"erlay": cold_then_warm(workdir, f"erlay{r}")}
+            if not args.no_stock:
+                runs["stock"] = cold_then_warm(workdir, f"stock{r}",
+                                               TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1")
+            all_runs.append(runs)
     finally:
         if args.keep:
             print(f"work directory kept: {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+    load1 = os.getloadavg()[0]
 
+    med = statistics.median
     rows = ["fwd_s", "train_s", "import_s", "compiler_import_s", "process_s",
             "outside_cache_mb", "fxgraph_cache_hit", "fxgraph_cache_miss",
             "fxgraph_cache_bypass", "autograd_cache_hit", "autograd_cache_miss", "max_abs_diff"]
-    columns = [(f"{label} {kind}", run[kind]) for label, run in runs.items()
-               for kind in ("cold", "warm")]
-    print(f"{'':22}" + "".join(f"{name:>14}" for name, _ in columns))
-    for r in rows:
-        print(f"{r:22}" + "".join(f"{col[r]:>14.4g}" for _, col in columns))
-    for key in ("seed_s", "archive_s", "archive_mb", "seeded_mb", "seeded_files"):
-        print(f"{key:22}" + "".join(f"{run[key]:>28.4g}" for run in runs.values()))
+    columns = [(label, kind) for label in all_runs[0] for kind in ("cold", "warm")]
+    print(f"each child, median of {args.runs} run(s); 1-min load average {load0:.2f} -> "
+          f"{load1:.2f}")
+    print(f"{'':22}" + "".join(f"{label + ' ' + kind:>14}" for label, kind in columns))
+    for row in rows:
+        print(f"{row:22}" + "".join(
+            f"{med(run[label][kind][row] for run in all_runs):>14.4g}"
+            for label, kind in columns))
 
-    erlay = runs["erlay"]
-    cold, warm = erlay["cold"], erlay["warm"]
-    summary: dict[str, Any] = {
-        "cold_s": round(cold["fwd_s"], 3),
-        "warm_s": round(warm["fwd_s"], 3),
-        "warm_over_cold": round(warm["fwd_s"] / cold["fwd_s"], 4),
-        "archive_mb": round(erlay["archive_mb"], 3),
-        "seed_s": round(erlay["seed_s"], 3),
-        "archive_s": round(erlay["archive_s"], 3),
-        "warm_plus_seed_over_cold": round((warm["fwd_s"] + erlay["seed_s"]) / cold["fwd_s"], 4),
-        "warm_incl_compiler_import_over_cold": round(
-            (warm["fwd_s"] + warm["compiler_import_s"])
-            / (cold["fwd_s"] + cold["compiler_import_s"]), 4),
-        "cold_train_s": round(cold["train_s"], 3),
-        "warm_train_s": round(warm["train_s"], 3),
-        "compiler_import_s": round(warm["compiler_import_s"], 3),
-        "cold_process_s": round(cold["process_s"], 3),
-        "warm_process_s": round(warm["process_s"], 3),
-        "warm_fxgraph_cache_hit": warm["fxgraph_cache_hit"],
-        "warm_fxgraph_cache_miss": warm["fxgraph_cache_miss"],
-        "warm_autograd_cache_hit": warm["autograd_cache_hit"],
-        "warm_autograd_cache_miss": warm["autograd_cache_miss"],
-        "cold_fxgraph_cache_miss": cold["fxgraph_cache_miss"],
-        "seeded_files": erlay["seeded_files"],
-        "seeded_mb": round(erlay["seeded_mb"], 3),
-    }
-    if "stock" in runs:
-        stock = runs["stock"]
-        summary.update({
-            "stock_cold_s": round(stock["cold"]["fwd_s"], 3),
-            "stock_warm_s": round(stock["warm"]["fwd_s"], 3),
-            "stock_warm_over_stock_cold": round(
-                stock["warm"]["fwd_s"] / stock["cold"]["fwd_s"], 4),
-            "warm_over_stock_cold": round(warm["fwd_s"] / stock["cold"]["fwd_s"], 4),
-            "stock_outside_cache_mb": round(stock["cold"]["outside_cache_mb"], 1),
-        })
+    per_run = [figures(runs) for runs in all_runs]
+    summary: dict[str, Any] = {key: spread([f[key] for f in per_run]) for key in per_run[0]}
+    summary.update({"runs": args.runs, "load_avg_1m": [round(load0, 2), round(load1, 2)],
+                    "wall_s": round(time.perf_counter() - began, 1)})
+    print(f"\n{'figure':36} {'median (min-max)':>26}  what it measures")
+    for key, what in WHAT:
+        if key in summary:
+            s = summary[key]
+            cell = f"{s['median']:.4g} ({s['min']:.4g}-{s['max']:.4g})"
+            print(f"{key:36} {cell:>26}  {what}")
     print(json.dumps(summary))
 
 
