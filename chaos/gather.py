@@ -68,7 +68,10 @@ def observe_run(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions | Non
                           for t in memory.of(TransitionKind.CONSUMED)]
         dispatched = {t.rollout_id for t in memory.of(TransitionKind.DISPATCHED)}
         completed = {t.rollout_id for t in memory.of(TransitionKind.COMPLETED)}
-        tools = [str(t.data["key"]) for t in memory.of(TransitionKind.TOOL_RESULT)]
+        tools = [("call" if t.kind is TransitionKind.TOOL_CALL else "result",
+                  str(t.data["key"]), t.data.get("result"))
+                 for t in memory.items
+                 if t.kind in (TransitionKind.TOOL_CALL, TransitionKind.TOOL_RESULT)]
         judged = [(str(t.data["key"]), t.data.get("judgement"))
                   for t in memory.of(TransitionKind.JUDGED)]
     else:
@@ -78,7 +81,7 @@ def observe_run(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions | Non
     steps = {m["step"] for m in metrics if m.get("phase") == "rl"}
     return RunObservation(
         events=events, metrics=metrics, consumed_transitions=consumed_pairs,
-        dispatched_ids=dispatched, completed_ids=completed, tool_results=tools,
+        dispatched_ids=dispatched, completed_ids=completed, tool_events=tools,
         judgements=judged, stream_observed=memory is not None,
         ledger=read_ledger(run_dir.ledger) if run_dir.ledger.exists() else None,
         checkpoints=checkpoint_problems(run_dir.checkpoints),

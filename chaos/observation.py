@@ -57,8 +57,11 @@ class RunObservation:
       order, repeats included (a rewind consumes the same rollouts again).
     - ``dispatched_ids``: the id of every rollout ever dispatched.
     - ``completed_ids``: the id of every rollout that reached COMPLETED.
-    - ``tool_results``: the idempotency key of every TOOL_RESULT recorded, repeats included
-      (a key recorded twice is a tool call executed twice).
+    - ``tool_events``: ``(kind, key, result)`` of every TOOL_CALL (``"call"``, result None)
+      and TOOL_RESULT (``"result"``) in stream order: a call of a key whose result was
+      already journaled, or two different results of one key, is a tool call executed
+      again.  (Two equal results are not: the sandbox answers a repeated key from its
+      idempotency cache.)
     - ``judgements``: ``(key, judgement)`` of every JUDGED transition, repeats included.
 
     From the run dir:
@@ -84,7 +87,7 @@ class RunObservation:
     consumed_transitions: list[tuple[str, int]] = field(default_factory=list)
     dispatched_ids: set[str] = field(default_factory=set)
     completed_ids: set[str] = field(default_factory=set)
-    tool_results: list[str] = field(default_factory=list)
+    tool_events: list[tuple[str, str, Any]] = field(default_factory=list)
     judgements: list[tuple[str, Any]] = field(default_factory=list)
     stream_observed: bool = True
     ledger: list[dict[str, Any]] | None = None

@@ -132,16 +132,30 @@ def steps_in_order(obs: RunObservation) -> Verdict:
 
 
 def tool_calls_once(obs: RunObservation) -> Verdict:
-    """No tool call was executed twice: a replayed rollout reuses the journaled result of
-    its idempotency key, so each key has at most one TOOL_RESULT."""
+    """No tool call was executed again once its result was known: a replayed rollout reuses
+    the journaled result of its idempotency key.  Violations: a TOOL_CALL of a key after a
+    TOOL_RESULT of it, and two different TOOL_RESULTs of one key (equal ones are the
+    sandbox's idempotency cache answering a call made before the result was journaled)."""
     name = "tool_calls_once"
     if not obs.stream_observed:
         return cannot_check(name, "the journal's transition stream was not observed")
-    counts = Counter(obs.tool_results)
-    twice = sorted(f"{k} x{n}" for k, n in counts.items() if n > 1)
-    if twice:
-        return Verdict(name, False, f"executed more than once: {few(twice)}")
-    return Verdict(name, True, f"{len(counts)} tool calls, each executed once")
+    results: dict[str, Any] = {}
+    again, differ = [], []
+    for kind, key, result in obs.tool_events:
+        if kind == "call" and key in results:
+            again.append(key)
+        elif kind == "result":
+            if key in results and results[key] != result:
+                differ.append(key)
+            results.setdefault(key, result)
+    problems = []
+    if again:
+        problems.append(f"called again after its result was journaled: {few(sorted(again))}")
+    if differ:
+        problems.append(f"two different results for one key: {few(sorted(differ))}")
+    if problems:
+        return Verdict(name, False, "; ".join(problems))
+    return Verdict(name, True, f"{len(results)} tool calls, none executed again")
 
 
 def judgements_stable(obs: RunObservation) -> Verdict:

@@ -194,7 +194,9 @@ def _plants(b: Built, root: Path) -> dict[str, RunObservation]:
     order = _copy(b, root, "order")
     _rewrite_ledger(order, lambda rs: [rs[0], rs[1], rs[3], rs[2], *rs[4:]])
     p["steps_in_order"] = observe(order)
-    tool = _copy(b, root, "tool")
+    tool = _copy(b, root, "tool")     # a replay that ran the call despite its journaled result
+    tool.memory.record(Transition(K.TOOL_CALL, _rid(0, 1), {"key": f"{_rid(0, 1)}/tool0",
+                                                            "code": "1+1"}))
     tool.memory.record(Transition(K.TOOL_RESULT, _rid(0, 1), {"key": f"{_rid(0, 1)}/tool0",
                                                               "result": {"stdout": "2"}}))
     p["tool_calls_once"] = observe(tool)

@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -43,8 +43,8 @@ from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.learner.core import TrainBatch
 from erlay.actors.learner.grpo import staleness_ok
-from erlay.actors.observe.goodput import StepCounts
 from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.actors.observe.goodput import StepCounts
 from erlay.supervisor import telemetry
 from erlay.supervisor.deadline import within
 from erlay.supervisor.errors import CallDeadlineExceeded
@@ -103,6 +103,14 @@ def _consume_spans(trajectories: list[Trajectory], step: int, version: int,
 
 
 Window = tuple[float, float]   # wall time (time.time()) at start and end
+
+
+async def _cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they have ended (each one's error is its own)."""
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 class RolloutCoordinator:
@@ -180,38 +188,44 @@ class RolloutCoordinator:
         n = await self._restore_or_warm_start()
         steps, lookahead = cfg.run.steps, cfg.rollout.max_staleness
         generation: dict[int, asyncio.Task[tuple[list[Trajectory], Window]]] = {}
-        while n < steps:
-            for ahead in range(n, min(steps, n + lookahead + 1)):
-                if ahead not in generation:
-                    generation[ahead] = asyncio.create_task(self._generate_step(ahead),
-                                                            name=f"gen-step-{ahead}")
-            step_started = time.monotonic()
-            trajectories, gen_window = await generation.pop(n)
-            gen_wait = time.monotonic() - step_started
-            tails = await self._engine_tails()
-            batch, counts = self._batch(n, trajectories)
-            train_started, train_began = time.monotonic(), time.time()
-            metrics = await self._train(batch, n)
-            if metrics.get("stale_step"):
-                n = await self._rewind(n, int(metrics["learner_step"]))
-                continue
-            weights = await self._publish()
-            train_seconds = time.monotonic() - train_started
-            windows = {"gen_window": gen_window, "train_window": (train_began, time.time())}
-            for rid in batch.rollout_ids:
-                self.sink.record(Transition(TransitionKind.CONSUMED, rid,
-                                            {"step": n, "version": weights.version}))
-            _consume_spans(trajectories, n, weights.version, time.time() - train_seconds)
-            # Report before checkpointing: a checkpoint may let the journal compact this
-            # step's rollouts, and a successor reports unreported steps from the journal.
-            if n > self.reported_upto:
-                self._report_step(n, trajectories, counts, {**metrics, **tails, **windows},
-                                  gen_window[1] - gen_window[0], gen_wait, train_seconds,
-                                  time.monotonic() - step_started)
-                self.reported_upto = n
-            if (n + 1) % cfg.checkpoint.every_steps == 0 or n + 1 == steps:
-                self.checkpoint_exposed_s.append(await self._checkpoint())
-            n += 1
+        # A crash (or a stop) ends this incarnation's generation too: left running, the
+        # steps it generated ahead would go on writing chunks, tool calls and judgements
+        # into the journal beside the successor's replay of the same rollouts.
+        try:
+            while n < steps:
+                for ahead in range(n, min(steps, n + lookahead + 1)):
+                    if ahead not in generation:
+                        generation[ahead] = asyncio.create_task(self._generate_step(ahead),
+                                                                name=f"gen-step-{ahead}")
+                step_started = time.monotonic()
+                trajectories, gen_window = await generation.pop(n)
+                gen_wait = time.monotonic() - step_started
+                tails = await self._engine_tails()
+                batch, counts = self._batch(n, trajectories)
+                train_started, train_began = time.monotonic(), time.time()
+                metrics = await self._train(batch, n)
+                if metrics.get("stale_step"):
+                    n = await self._rewind(n, int(metrics["learner_step"]))
+                    continue
+                weights = await self._publish()
+                train_seconds = time.monotonic() - train_started
+                windows = {"gen_window": gen_window, "train_window": (train_began, time.time())}
+                for rid in batch.rollout_ids:
+                    self.sink.record(Transition(TransitionKind.CONSUMED, rid,
+                                                {"step": n, "version": weights.version}))
+                _consume_spans(trajectories, n, weights.version, time.time() - train_seconds)
+                # Report before checkpointing: a checkpoint may let the journal compact this
+                # step's rollouts, and a successor reports unreported steps from the journal.
+                if n > self.reported_upto:
+                    self._report_step(n, trajectories, counts, {**metrics, **tails, **windows},
+                                      gen_window[1] - gen_window[0], gen_wait, train_seconds,
+                                      time.monotonic() - step_started)
+                    self.reported_upto = n
+                if (n + 1) % cfg.checkpoint.every_steps == 0 or n + 1 == steps:
+                    self.checkpoint_exposed_s.append(await self._checkpoint())
+                n += 1
+        finally:
+            await _cancel(generation.values())
         await self._learner_call("wait_checkpoints")
         self.job.completed_steps = n
         self.progress.end()

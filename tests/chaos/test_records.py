@@ -97,9 +97,19 @@ def test_without_a_ledger_the_ledger_invariants_fail_as_cannot_check() -> None:
 
 
 def test_tool_calls_and_judgements() -> None:
-    assert tool_calls_once(RunObservation(tool_results=["a/tool0", "b/tool0"])).ok is True
-    twice = tool_calls_once(RunObservation(tool_results=["a/tool0", "a/tool0"]))
-    assert twice.ok is False and "a/tool0 x2" in twice.detail
+    out = {"stdout": "4"}
+    clean = [("call", "a/tool0", None), ("result", "a/tool0", out),
+             ("call", "b/tool0", None), ("result", "b/tool0", out)]
+    assert tool_calls_once(RunObservation(tool_events=clean)).ok is True
+    # Two calls before any result, answered alike: the sandbox's idempotency cache.
+    cached = [("call", "a/tool0", None), ("call", "a/tool0", None),
+              ("result", "a/tool0", out), ("result", "a/tool0", out)]
+    assert tool_calls_once(RunObservation(tool_events=cached)).ok is True
+    again = tool_calls_once(RunObservation(tool_events=[*clean, ("call", "a/tool0", None)]))
+    assert again.ok is False and "called again after its result" in again.detail
+    differ = tool_calls_once(RunObservation(
+        tool_events=[*cached[:3], ("result", "a/tool0", {"stdout": "5"})]))
+    assert differ.ok is False and "two different results" in differ.detail
     same = [("a/judge", {"reward": 1.0}), ("a/judge", {"reward": 1.0})]
     assert judgements_stable(RunObservation(judgements=same)).ok is True
     changed = judgements_stable(RunObservation(judgements=[*same, ("a/judge", {"reward": 0})]))
