@@ -15,6 +15,7 @@ import pytest
 from erlay.actors.config import load_config
 from erlay.actors.job.driver import Job
 from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.learner.ledger import effective_steps, read_ledger
 from erlay.actors.rundir import RunDir
 from erlay.supervisor.events import EventKind, read_events
 from tests.paths import REPO
@@ -35,7 +36,13 @@ def test_arithmetic_reward_rises_under_rl(tmp_path: Path, fresh_ray: None) -> No
     first = statistics.fmean(m["reward_mean"] for m in steps[:25])
     last = statistics.fmean(m["reward_mean"] for m in steps[-25:])
     assert last - first >= 0.07, (first, last)
-    assert max(m["staleness_max"] for m in steps) <= cfg.rollout.max_staleness
+    # staleness_max covers every sample; one past the bound must have been masked, and the
+    # learner's own ledger must show no trained sample past it.
+    bound = cfg.rollout.max_staleness
+    assert all(m["masked_stale"] > 0 for m in steps if m["staleness_max"] > bound)
+    ledger = effective_steps(read_ledger(job.run_dir.ledger))
+    assert [s.step for s in ledger] == list(range(120))
+    assert all(s.version - v <= bound for s in ledger for v in s.trained.values() if v >= 0)
     assert job.run_dir.summary.exists() and job.run_dir.reward_plot.exists()
     assert "status: **finished**" in job.run_dir.summary.read_text()
     assert load_config(job.run_dir.config) == cfg  # the resolved config round-trips
