@@ -17,7 +17,9 @@ line:
   cache hits), not as the bench assumes it.  ``resumed_calls``, ``resumed_context_tokens``
   (the context those calls sent, of which ``resumed_prefix_tokens`` were completion tokens)
   and ``resumed_calls_unreported`` (resumed calls whose engine died too before its first
-  chunk, so it reported nothing) go with it; ``prefill_recomputed_ratio`` is
+  chunk, so it reported nothing) go with it; ``resumed_reported_context_tokens`` is the
+  context of the resumed calls that did report, so that it less
+  ``prefill_tokens_recomputed`` is what prefix caches saved; ``prefill_recomputed_ratio`` is
   ``prefill_tokens_recomputed`` over the prefill of every call of the faulted run
 - ``load_avg_at_end``: the machine's 1/5/15-minute load average when the faulted run ended,
   the load these figures were measured under
@@ -89,6 +91,7 @@ class ResumedCall:
 
     turn: str
     resumed: bool
+    context: int             # prompt + prefix tokens the call sent
     reported: bool = False   # a chunk came back, with the engine's prefill count
 
 
@@ -110,14 +113,16 @@ class PrefillLedger:
     resumed_prefix: int = 0        # of which completion tokens received before the failure
     resumed_prefill: int = 0       # reported by the engines, resumed calls
     resumed_unreported: int = 0
+    resumed_reported_context: int = 0   # context sent by the resumed calls that reported
 
     def call(self, request: dict[str, Any]) -> ResumedCall:
         call = ResumedCall(turn_of(request["request_id"]),
-                           turn_of(request["request_id"]) in self.failed_turns)
+                           turn_of(request["request_id"]) in self.failed_turns,
+                           len(request["prompt_ids"]) + len(request["prefix_ids"]))
         if call.resumed:
             self.resumed_calls += 1
             self.resumed_prefix += len(request["prefix_ids"])
-            self.resumed_context += len(request["prompt_ids"]) + len(request["prefix_ids"])
+            self.resumed_context += call.context
         return call
 
     def chunk(self, call: ResumedCall, chunk: dict[str, Any]) -> None:
@@ -133,6 +138,8 @@ class PrefillLedger:
             self.failed_turns.add(call.turn)
         if call.resumed and not call.reported:
             self.resumed_unreported += 1
+        elif call.resumed:
+            self.resumed_reported_context += call.context
 
     def figures(self) -> dict[str, Any]:
         return {"prefill_tokens_recomputed": self.resumed_prefill,
@@ -140,6 +147,7 @@ class PrefillLedger:
                 "resumed_context_tokens": self.resumed_context,
                 "resumed_prefix_tokens": self.resumed_prefix,
                 "resumed_calls_unreported": self.resumed_unreported,
+                "resumed_reported_context_tokens": self.resumed_reported_context,
                 "prefill_tokens_all_calls": self.prefill_all,
                 "prefill_recomputed_ratio": round(self.resumed_prefill / self.prefill_all, 4)
                 if self.prefill_all else None}

@@ -63,6 +63,8 @@ def test_a_resumed_call_whose_engine_dies_before_its_first_chunk_is_unreported()
     figures = ledger.figures()
     assert (figures["resumed_calls"], figures["resumed_calls_unreported"],
             figures["prefill_tokens_recomputed"]) == (2, 1, 6)
+    assert (figures["resumed_context_tokens"], figures["resumed_reported_context_tokens"]) \
+        == (12, 6)
 
 
 def test_listening_feeds_the_ledger_from_the_batcher_streams_and_then_lets_go(
