@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import ray
@@ -103,6 +103,19 @@ def _consume_spans(trajectories: list[Trajectory], step: int, version: int,
 
 
 Window = tuple[float, float]   # wall time (time.time()) at start and end
+
+
+async def _all_or_none(coros: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await every one of ``coros`` concurrently; if one fails (or this is cancelled),
+    cancel the rest and wait for them before raising.  ``asyncio.gather`` would leave them
+    running: a step's rollouts orphaned after a sibling's failure would go on writing to the
+    journal beside the replay that the coordinator's successor makes of them."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        await _cancel(tasks)
+        raise
 
 
 async def _cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
@@ -343,7 +356,7 @@ class RolloutCoordinator:
             for k in range(cfg.group_size):
                 rid = f"r{n:05d}-g{g:03d}-{k}"
                 plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
-        trajectories = await asyncio.gather(*plays)
+        trajectories = await _all_or_none(plays)
         return list(trajectories), (started, time.time())
 
     def _history(self, rollout_id: str) -> RolloutHistory | None:

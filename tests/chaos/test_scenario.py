@@ -336,13 +336,13 @@ def test_delay_and_partial_validate_their_params() -> None:
 
 def test_a_repeating_fault_owes_its_count_min_firings_and_no_more() -> None:
     from erlay.chaos.runner import unfired
-    soak = load_scenario("mixed-soak")        # every fault: count.min 2, up to 3 firings
+    soak = load_scenario("mixed-soak")        # every fault: count.min 1, up to 3 firings
     engine = 0
-    # The job ended after the second firing of fault 0: its third was an extra.
-    assert unfired(soak, [engine], []) == []
-    # It ended after the first: one of the two owed firings never came.
-    missed = unfired(soak, [engine, engine], [])
-    assert len(missed) == 2 and all(m.startswith("faults.0 ") for m in missed)
+    # The job ended after the first firing of fault 0: the other two were extras.
+    assert unfired(soak, [engine, engine], []) == []
+    # It ended before the first: the one owed firing never came.
+    missed = unfired(soak, [engine, engine, engine], [])
+    assert len(missed) == 3 and all(m.startswith("faults.0 ") for m in missed)
     kill = load_scenario("learner-kill")       # at_step: always owed
     assert unfired(kill, [], [0]) == [
         "faults.0 (sigkill erlay/learner/learner-0): never fired, the job ended first"]
