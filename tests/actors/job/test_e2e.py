@@ -24,7 +24,12 @@ CONFIGS = REPO / "configs"
 pytestmark = pytest.mark.ray
 
 
-def test_arithmetic_reward_rises_under_rl(tmp_path: Path, fresh_ray: None) -> None:
+def test_the_arithmetic_job_runs_end_to_end(tmp_path: Path, fresh_ray: None) -> None:
+    """The CPU job, whole: warm start, 120 RL steps, every record and file it promises.
+
+    How much RL lifts the reward is measured by ``bench/learning.py`` over the shipped 600
+    steps (gain >= 0.3, docs/performance.md), not here: over 120 steps the gain measured
+    -0.01 to 0.10 across seven runs on 2026-12-01, so a bar on it was a coin flip."""
     cfg = load_config(CONFIGS / "cpu.yaml", [
         "run.steps=120", "warm_start.steps=250", f"run.run_dir={tmp_path}",
         "learner.lr_decay_steps=0", "ray.num_cpus=4"])
@@ -33,9 +38,11 @@ def test_arithmetic_reward_rises_under_rl(tmp_path: Path, fresh_ray: None) -> No
     assert result.status == "finished", result.reason
     steps = job.run_dir.rl_steps()
     assert [m["step"] for m in steps] == list(range(120))
-    first = statistics.fmean(m["reward_mean"] for m in steps[:25])
-    last = statistics.fmean(m["reward_mean"] for m in steps[-25:])
-    assert last - first >= 0.07, (first, last)
+    # Trained: every step's loss saw its samples' tokens, and the updates moved the weights
+    # (a step whose groups all tied has no advantage and no gradient: rare, allowed).
+    assert all(m["trained_tokens"] > 0 for m in steps)
+    assert sum(m["grad_norm"] > 0 for m in steps) >= 0.9 * len(steps)
+    assert statistics.fmean(m["reward_mean"] for m in steps) > 0.3   # the warm start held
     # staleness_max covers every sample; one past the bound must have been masked, and the
     # learner's own ledger must show no trained sample past it.
     bound = cfg.rollout.max_staleness
