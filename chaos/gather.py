@@ -67,7 +67,6 @@ def observe_run(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions | Non
         consumed_pairs = [(t.rollout_id, int(t.data["step"]))
                           for t in memory.of(TransitionKind.CONSUMED)]
         dispatched = {t.rollout_id for t in memory.of(TransitionKind.DISPATCHED)}
-        completed = {t.rollout_id for t in memory.of(TransitionKind.COMPLETED)}
         tools = [("call" if t.kind is TransitionKind.TOOL_CALL else "result",
                   str(t.data["key"]), t.data.get("result"))
                  for t in memory.items
@@ -77,11 +76,11 @@ def observe_run(cfg: JobConfig, run_dir: RunDir, memory: MemoryTransitions | Non
     else:
         consumed_pairs = sorted((consumed or {}).items())
         dispatched = set(dispatched or ())
-        completed, tools, judged = set(), [], []
+        tools, judged = [], []
     steps = {m["step"] for m in metrics if m.get("phase") == "rl"}
     return RunObservation(
         events=events, metrics=metrics, consumed_transitions=consumed_pairs,
-        dispatched_ids=dispatched, completed_ids=completed, tool_events=tools,
+        dispatched_ids=dispatched, tool_events=tools,
         judgements=judged, stream_observed=memory is not None,
         ledger=read_ledger(run_dir.ledger) if run_dir.ledger.exists() else None,
         checkpoints=checkpoint_problems(run_dir.checkpoints),

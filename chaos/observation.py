@@ -56,7 +56,6 @@ class RunObservation:
     - ``consumed_transitions``: ``(rollout_id, step)`` of every CONSUMED transition, in
       order, repeats included (a rewind consumes the same rollouts again).
     - ``dispatched_ids``: the id of every rollout ever dispatched.
-    - ``completed_ids``: the id of every rollout that reached COMPLETED.
     - ``tool_events``: ``(kind, key, result)`` of every TOOL_CALL (``"call"``, result None)
       and TOOL_RESULT (``"result"``) in stream order: a call of a key whose result was
       already journaled, or two different results of one key, is a tool call executed
@@ -86,7 +85,6 @@ class RunObservation:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     consumed_transitions: list[tuple[str, int]] = field(default_factory=list)
     dispatched_ids: set[str] = field(default_factory=set)
-    completed_ids: set[str] = field(default_factory=set)
     tool_events: list[tuple[str, str, Any]] = field(default_factory=list)
     judgements: list[tuple[str, Any]] = field(default_factory=list)
     stream_observed: bool = True

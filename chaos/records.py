@@ -37,14 +37,15 @@ def lost_rollouts(obs: RunObservation) -> list[str]:
 def trained_twice(obs: RunObservation) -> list[str] | None:
     """Rollouts the learner's ledger shows fed more than once in its surviving timeline;
     None when the run has no (readable) ledger."""
-    try:
-        steps = effective_steps(obs.ledger) if obs.ledger is not None else None
-    except (KeyError, TypeError, ValueError):
+    steps = _ledger(obs, "trained_twice")
+    if isinstance(steps, Verdict):
         return None
-    if steps is None:
-        return None
-    fed = Counter(rid for s in steps for rid in [*s.trained, *s.masked])
-    return sorted(rid for rid, n in fed.items() if n > 1)
+    return sorted(rid for rid, n in _fed(steps).items() if n > 1)
+
+
+def _fed(steps: list[LedgerStep]) -> Counter[str]:
+    """How many times the ledger's steps fed each rollout id, trained or masked."""
+    return Counter(rid for s in steps for rid in [*s.trained, *s.masked])
 
 
 def exactly_once(obs: RunObservation) -> Verdict:
@@ -57,13 +58,9 @@ def exactly_once(obs: RunObservation) -> Verdict:
         return steps
     if obs.steps_trained > 0 and not obs.consumed_transitions:
         return cannot_check(name, "the journal recorded no consumed rollout")
-    fed: Counter[str] = Counter()
-    misplaced = []
-    for s in steps:
-        for rid in [*s.trained, *s.masked]:
-            fed[rid] += 1
-            if rollout_step(rid) != s.step:
-                misplaced.append(f"{rid} by step {s.step}")
+    fed = _fed(steps)
+    misplaced = [f"{rid} by step {s.step}" for s in steps for rid in [*s.trained, *s.masked]
+                 if rollout_step(rid) != s.step]
     consumed = {rid for rid, _ in obs.consumed_transitions}
     twice = sorted(f"{rid} x{n}" for rid, n in fed.items() if n > 1)
     never = sorted(consumed - set(fed))
