@@ -7,8 +7,8 @@ judge class that cannot be imported.
 
 Every option is documented on its field; ``configs/reference.yaml`` shows them all.
 
-May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges (the default
-plug-ins are named by import path).
+May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges,
+erlay.actors.config_data (the default plug-ins are named by import path).
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from erlay.actors.config_data import DataSection
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.imports import import_path
+
+BUILTIN_SEQ_LEN = 96
 
 
 class ConfigError(ErlayError):
@@ -50,21 +53,52 @@ class RaySection(Section):
     include_dashboard: bool = Field(False, description="start the dashboard with a local Ray")
 
 
+class LoraSection(Section):
+    """LoRA adapters (through peft) on an HF model; only they train."""
+
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: int = Field(16, ge=1, description="scale numerator (the update is alpha / r * B A)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] | str = Field("all-linear", description="module names to adapt, "
+                                            "or peft's 'all-linear'")
+
+
 class ModelSection(Section):
-    d_model: int = Field(128, ge=8, description="width of the policy's residual stream")
-    n_layers: int = Field(2, ge=1, description="transformer blocks")
-    n_heads: int = Field(4, ge=1, description="attention heads (must divide d_model)")
-    d_ff: int = Field(512, ge=8, description="width of each block's MLP")
-    max_seq_len: int = Field(96, ge=8, description="longest prompt + completion, in tokens")
+    hf: str | None = Field(None, description="a Hugging Face causal LM: a local directory "
+                           "(relative paths: to the config file, else the working directory) "
+                           "or a hub id already in the HF cache; unset = erlay's built-in "
+                           "character model (d_model ... below)")
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="hf: load the directory's weights, or initialise randomly "
+        "from its config with run.seed (also what a directory without weights gets)")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="hf: parameter dtype of the learner and the torch engine")
+    trust_remote_code: bool = Field(False, description="hf: run the model's own modelling "
+                                    "code (transformers' trust_remote_code)")
+    lora: LoraSection | None = Field(None, description="hf: train LoRA adapters instead of "
+                                     "the whole model")
+    d_model: int = Field(128, ge=8, description="built-in model: width of the residual stream")
+    n_layers: int = Field(2, ge=1, description="built-in model: transformer blocks")
+    n_heads: int = Field(4, ge=1, description="built-in model: attention heads (divide d_model)")
+    d_ff: int = Field(512, ge=8, description="built-in model: width of each block's MLP")
+    max_seq_len: int | None = Field(None, ge=8, description="longest prompt + completion, in "
+                                    "tokens; hf: at most the model's position limit (the "
+                                    "default); built-in: default 96")
     mtp_heads: int = Field(0, ge=0, description="multi-token-prediction heads that draft "
                            "tokens for the torch engine's speculative decoding (0 = none)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSection:
-        if self.d_model % self.n_heads:
+        if self.hf is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads "
                              f"({self.n_heads})")
+        if self.hf is None and self.lora is not None:
+            raise ValueError("lora needs an HF model (model.hf)")
         return self
+
+    @property
+    def builtin_seq_len(self) -> int:
+        return self.max_seq_len or BUILTIN_SEQ_LEN
 
 
 class VllmSection(Section):
@@ -337,6 +371,7 @@ class JobConfig(Section):
     run: RunSection = RunSection()
     ray: RaySection = RaySection()
     model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
     engine: EngineSection = EngineSection()
     learner: LearnerSection = LearnerSection()
     warm_start: WarmStartSection = WarmStartSection()
@@ -363,7 +398,8 @@ class JobConfig(Section):
         # vLLM's attention kernels refuse small heads, but only ~30 s into an engine start,
         # deep in a worker's log: say it before anything starts.
         head = self.model.d_model // self.model.n_heads
-        if self.engine.backend == "vllm" and self.engine.vllm.model_dir is None and head < 32:
+        if self.engine.backend == "vllm" and self.engine.vllm.model_dir is None \
+                and self.model.hf is None and head < 32:
             raise ValueError(f"engine.backend vllm needs a head size (model.d_model / "
                              f"model.n_heads) of at least 32 (vLLM's CPU attention supports "
                              f"32, 64, 80, 96, 112, 128, ...); got {head}")
@@ -435,6 +471,23 @@ def validate_config(data: dict[str, Any]) -> JobConfig:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
+# Keys whose relative paths, written in a config file, mean "next to the config file".
+PATH_KEYS = (("model", "hf"), ("data", "train"), ("data", "validation"))
+
+
+def anchor_paths(data: dict[str, Any], base: Path) -> None:
+    """Make each relative path of :data:`PATH_KEYS` in ``data`` absolute against ``base``
+    when it exists there (a shipped config names its model directory beside itself); any
+    other value, a hub id included, is left as written."""
+    for section, key in PATH_KEYS:
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            candidate = base / value
+            if candidate.exists():
+                node[key] = str(candidate.resolve())
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Read, override and validate a job config.  ``path=None`` means all defaults."""
     data: dict[str, Any] = {}
@@ -450,6 +503,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{file}: expected a mapping of sections, got "
                               f"{type(loaded).__name__}")
         data = loaded or {}
+        anchor_paths(data, file.parent)
     for override in overrides:
         apply_override(data, override)
     return validate_config(data)

@@ -43,8 +43,9 @@ from erlay.actors.engine.api import (
     InvalidRequest,
     TokenChunk,
 )
+from erlay.actors.model.build import Policy
 from erlay.actors.model.mtp import Verify, draft_token, verify_draft
-from erlay.actors.model.policy import KVCache, PolicyModel, left_pad
+from erlay.actors.model.policy import KVCache, left_pad
 from erlay.actors.model.sampling import sample_rows
 
 
@@ -178,7 +179,7 @@ class DecodeBatch:
     Not thread-safe: one owner calls its methods, one at a time.
     """
 
-    def __init__(self, model: PolicyModel) -> None:
+    def __init__(self, model: Policy) -> None:
         self.model = model
         self.rows: list[Sequence] = []
         self._cache: KVCache | None = None
@@ -411,7 +412,7 @@ class DecodeBatch:
         return rows
 
 
-def run_to_completion(model: PolicyModel, requests: Iterable[GenerationRequest], *,
+def run_to_completion(model: Policy, requests: Iterable[GenerationRequest], *,
                       max_batch: int = 64) -> list[Sequence]:
     """Decode ``requests`` synchronously with continuous batching; sequences in input order.
 

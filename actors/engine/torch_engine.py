@@ -62,7 +62,7 @@ from erlay.actors.engine.api import (
 )
 from erlay.actors.engine.core import DecodeBatch, Sequence, validate_request
 from erlay.actors.engine.tail import TailWindow
-from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state
+from erlay.actors.model.build import Policy, build_policy, load_engine_state
 from erlay.supervisor import telemetry
 from erlay.supervisor.failpoints import afailpoint
 from erlay.supervisor.progress import Progress
@@ -92,7 +92,7 @@ class _Counters:
     max_batch_size: int = 0
 
 
-def check_state(model: PolicyModel, state: dict[str, Any]) -> None:
+def check_state(model: Policy, state: dict[str, Any]) -> None:
     """Raise :class:`WeightsMismatch` unless ``state`` has exactly the model's tensors and
     shapes.  Checked before loading, because ``load_state_dict`` copies tensor by tensor and a
     late mismatch would leave the model half-updated."""
@@ -106,10 +106,11 @@ def check_state(model: PolicyModel, state: dict[str, Any]) -> None:
                               f"unexpected {unexpected[:5]}, reshaped {reshaped[:5]}")
 
 
-def _load(model: PolicyModel, state: dict[str, Any]) -> None:
+def _load(model: Policy, state: dict[str, Any]) -> None:
     arrays = {k: np.asarray(v) for k, v in state.items()}
     # Arrays from the Ray object store are read-only, and torch warns on wrapping those.
-    load_numpy_state(model, {k: a if a.flags.writeable else a.copy() for k, a in arrays.items()})
+    load_engine_state(model, {k: a if a.flags.writeable else a.copy()
+                              for k, a in arrays.items()})
 
 
 class TorchEngine:
@@ -135,10 +136,8 @@ class TorchEngine:
         self._tail = TailWindow()
         # Explicit, because the engine shares a couple of cores with everything else.
         torch.set_num_threads(torch_threads)
-        self.config = PolicyConfig(**model_config)
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.model = PolicyModel(self.config).eval()
+        self.model = build_policy(model_config, seed=seed, for_engine=True).eval()
+        self.config = self.model.cfg
         if initial_state is not None:
             check_state(self.model, initial_state)
             _load(self.model, initial_state)

@@ -43,7 +43,7 @@ from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.learner.core import TrainBatch
 from erlay.actors.learner.grpo import staleness_ok
-from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.actors.model.tokens import Tokenizer
 from erlay.actors.observe.goodput import StepCounts
 from erlay.supervisor import telemetry
 from erlay.supervisor.deadline import within
@@ -55,7 +55,7 @@ log = logging.getLogger("erlay.rollout")
 
 
 def demonstration_tokens(pairs: list[tuple[str, str]],
-                         tok: CharTokenizer) -> list[tuple[list[int], list[int]]]:
+                         tok: Tokenizer) -> list[tuple[list[int], list[int]]]:
     """Token-level (context, target) pairs laid out exactly as a rollout lays them out.
 
     A rollout's context for turn k holds every earlier turn's tokens *with* their EOS, then
@@ -67,7 +67,7 @@ def demonstration_tokens(pairs: list[tuple[str, str]],
     ids: list[int] = []
     for k, (context, target) in enumerate(pairs):
         if k == 0:
-            ids = tok.encode(context, bos=True)
+            ids = tok.prompt_ids(context)
         else:
             prev_context, prev_target = pairs[k - 1]
             observation = context[len(prev_context) + len(prev_target):]
@@ -168,7 +168,7 @@ class RolloutCoordinator:
         sampling = SamplingParams(self.cfg.engine.max_new_tokens, self.cfg.engine.temperature,
                                   self.cfg.engine.chunk_tokens, self.cfg.run.seed)
         self.runner = RolloutRunner(self.job.env, self.job.tokenizer, self.engines, self.sandbox,
-                                    self.judge, self.sink, sampling, self.cfg.model.max_seq_len,
+                                    self.judge, self.sink, sampling, self.job.plan.max_seq_len,
                                     observer=getattr(self.job, "telemetry", None))
         self.runner.batcher.idle_s = 2 * cfg.engine.decode_deadline_s
 

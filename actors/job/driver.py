@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
+from erlay.actors.job.modelplan import plan_model
 from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
 from erlay.actors.job.plugins import GuardedEnvironment, RateRule
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
-from erlay.actors.model.tokenizer import CharTokenizer
 from erlay.actors.observe.telemetry import JobTelemetry
 from erlay.actors.rundir import RunDir
 from erlay.environments.base import load_environment
@@ -108,7 +108,8 @@ class Job:
         every transition (tests, benchmarks)."""
         self.cfg = cfg
         self.run_dir = run_dir
-        self.tokenizer = CharTokenizer()
+        self.plan = plan_model(cfg)
+        self.tokenizer = self.plan.tokenizer
         plugins = cfg.plugins
         self.env = GuardedEnvironment(
             load_environment(cfg.environment.cls, **cfg.environment.kwargs),
@@ -171,7 +172,7 @@ class Job:
                                   f" tokens) is smaller than the tokenizer's "
                                   f"({self.tokenizer.vocab_size})")
             return shape
-        return {"vocab_size": self.tokenizer.vocab_size, **self.cfg.model.model_dump()}
+        return dict(self.plan.spec)
 
     def _learner_init(self) -> dict[str, Any]:
         vllm = self.cfg.engine.vllm

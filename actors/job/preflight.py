@@ -15,7 +15,7 @@ so the command exits 2 having started nothing:
 - the environment's ``reset`` fails on those episodes.
 
 May import: erlay.supervisor, erlay.environments, erlay.judges, erlay.actors.config,
-erlay.actors.model.
+erlay.actors.model, erlay.actors.job.modelplan.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import inspect
 from typing import Any
 
 from erlay.actors.config import ConfigError, JobConfig
-from erlay.actors.model.tokenizer import CharTokenizer
+from erlay.actors.job.modelplan import ModelPlan, plan_model
 from erlay.supervisor.imports import import_path
 
 PROMPTS_CHECKED = 64
@@ -81,20 +81,23 @@ def build_environment(cfg: JobConfig) -> Any:
                           f"{type(exc).__name__}: {exc}") from None
 
 
-def check_prompts(cfg: JobConfig, env: Any, tokenizer: CharTokenizer) -> None:
+def check_prompts(cfg: JobConfig, env: Any, plan: ModelPlan) -> None:
     """Reset the first episodes of training and of the warm start; each prompt must leave
-    ``engine.max_new_tokens`` of room in ``model.max_seq_len``."""
-    limit = cfg.model.max_seq_len - cfg.engine.max_new_tokens
+    ``engine.max_new_tokens`` of room in the sequence limit (``model.max_seq_len``, or the
+    HF model's position limit)."""
+    seq_len, tokenizer = plan.max_seq_len, plan.tokenizer
+    limit = seq_len - cfg.engine.max_new_tokens
     if limit < 1:
         raise ConfigError(f"engine.max_new_tokens: {cfg.engine.max_new_tokens} leaves no room "
-                          f"for a prompt in model.max_seq_len {cfg.model.max_seq_len}")
+                          f"for a prompt in model.max_seq_len {seq_len}")
     indexes = [*range(PROMPTS_CHECKED),
                *(range(WARM_START_BASE, WARM_START_BASE + PROMPTS_CHECKED)
                  if cfg.warm_start.steps else ())]
     for index in indexes:
         try:
             episode = env.reset(index, cfg.run.seed)
-            prompt = tokenizer.encode(episode.prompt, bos=True)
+            prompt = tokenizer.prompt_ids(episode.prompt, episode.metadata.get("messages"),
+                                          getattr(env, "tools", None))
         except Exception as exc:  # noqa: BLE001 - the user's reset: any error is bad input
             raise ConfigError(f"environment.class: {cfg.environment.cls}.reset({index}, "
                               f"{cfg.run.seed}) failed: {type(exc).__name__}: {exc}") from None
@@ -102,12 +105,13 @@ def check_prompts(cfg: JobConfig, env: Any, tokenizer: CharTokenizer) -> None:
             raise ConfigError(
                 f"model.max_seq_len: episode {index}'s prompt is {len(prompt)} tokens; with "
                 f"engine.max_new_tokens {cfg.engine.max_new_tokens} it needs max_seq_len >= "
-                f"{len(prompt) + cfg.engine.max_new_tokens} (is {cfg.model.max_seq_len})")
+                f"{len(prompt) + cfg.engine.max_new_tokens} (is {seq_len})")
 
 
-def preflight(cfg: JobConfig, tokenizer: CharTokenizer | None = None) -> Any:
+def preflight(cfg: JobConfig, plan: ModelPlan | None = None) -> Any:
     """Run every check; return the built environment (the job reuses it)."""
+    plan = plan or plan_model(cfg)   # the model and tokenizer first: the prompts need them
     check_judge_class(cfg.judge.cls, dict(cfg.judge.kwargs))
     env = build_environment(cfg)
-    check_prompts(cfg, env, tokenizer or CharTokenizer())
+    check_prompts(cfg, env, plan)
     return env

@@ -36,7 +36,7 @@ from erlay.actors.job.domains import (
 from erlay.actors.job.plugins import GuardedEnvironment, UserCodeFailed, UserError
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.model.sampling import rollout_seed
-from erlay.actors.model.tokenizer import BOS, EOS, CharTokenizer
+from erlay.actors.model.tokens import Tokenizer
 from erlay.environments.base import Episode, tool_output_from_result
 from erlay.supervisor import telemetry
 from erlay.supervisor.failpoints import afailpoint
@@ -84,13 +84,13 @@ class Trajectory:
         An invalid sample is consumed by its step with weight 0 and counted apart."""
         return self.judged_ok and self.user_error is None
 
-    def fail(self, error: UserError) -> None:
+    def fail(self, error: UserError, eos_id: int) -> None:
         """Mark the sample failed by user code: one masked EOS stands in for its completion,
         so every failed sample has the same shape however far it got."""
         self.user_error = error.to_dict()
         self.failure = error.reason
         self.reward = 0.0
-        self.completion_ids, self.logprobs, self.versions = [EOS], [0.0], [-1]
+        self.completion_ids, self.logprobs, self.versions = [eos_id], [0.0], [-1]
         self.loss_mask = [False]
 
 
@@ -182,7 +182,7 @@ class RolloutRunner:
     host add their own spans under those, from the trace context sent with each request.
     """
 
-    def __init__(self, env: GuardedEnvironment, tokenizer: CharTokenizer, engines: EnginePool,
+    def __init__(self, env: GuardedEnvironment, tokenizer: Tokenizer, engines: EnginePool,
                  sandbox: SandboxClient, judge: JudgeClient, sink: TransitionSink,
                  sampling: SamplingParams, max_seq_len: int,
                  observer: RolloutObserver | None = None) -> None:
@@ -243,8 +243,9 @@ class RolloutRunner:
                 error: UserError, history: RolloutHistory, version: int) -> Trajectory:
         """A rollout whose environment failed before it could start (``reset``), or that
         the journal holds as failed: one DISPATCHED and one COMPLETED record, no more."""
-        traj = Trajectory(rollout_id, step, group, episode_index, [BOS])
-        traj.fail(error)
+        traj = Trajectory(rollout_id, step, group, episode_index,
+                          [self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id])
+        traj.fail(error, self.tok.eos_id)
         self.user_errors += 1
         if not history.dispatched:
             self.sink.record(Transition(TransitionKind.DISPATCHED, rollout_id, {
@@ -265,7 +266,8 @@ class RolloutRunner:
 
     async def _play(self, rollout_id: str, step: int, group: int, episode: Episode,
                     episode_index: int, history: RolloutHistory, version: int) -> Trajectory:
-        prompt_ids = self.tok.encode(episode.prompt, bos=True)
+        prompt_ids = self.tok.prompt_ids(episode.prompt, episode.metadata.get("messages"),
+                                         getattr(self.env, "tools", None))
         traj = Trajectory(rollout_id, step, group, episode_index, prompt_ids)
         seed = rollout_seed(self.sampling.base_seed, rollout_id)
         if not history.dispatched:
@@ -283,7 +285,7 @@ class RolloutRunner:
             if budget <= 0 and turn == 0:  # the prompt alone fills the context
                 traj.fail(UserError(self.env.plugin, "reset", "bad_return",
                                     f"a prompt of {len(prompt_ids)} tokens leaves no room in "
-                                    f"max_seq_len {self.max_seq_len}"))
+                                    f"max_seq_len {self.max_seq_len}"), self.tok.eos_id)
                 self._complete(traj, history)
                 return traj
             if budget <= 0:
@@ -309,7 +311,7 @@ class RolloutRunner:
             traj.versions += versions
             traj.loss_mask += [True] * len(tokens)
             traj.generated_tokens += len(tokens)
-            text = self.tok.decode(t for t in tokens if t != EOS)
+            text = self.tok.decode(t for t in tokens if t not in self.tok.stop_ids)
             try:
                 episode, result = await self.env.step(episode, text)
                 if result.done or result.tool_call is None:
@@ -318,7 +320,7 @@ class RolloutRunner:
                 episode, obs_text = await self._tool(rollout_id, traj.tool_calls - 1,
                                                      result.tool_call.code, episode, history)
             except UserCodeFailed as exc:
-                traj.fail(exc.error)
+                traj.fail(exc.error, self.tok.eos_id)
                 self.user_errors += 1
                 self._complete(traj, history)
                 return traj
@@ -374,6 +376,7 @@ class RolloutRunner:
                 prompt_ids=tuple(context),
                 max_new_tokens=budget - len(tokens), seed=seed + turn,
                 temperature=self.sampling.temperature, prefix_ids=tuple(tokens),
+                stop_ids=tuple(self.tok.stop_ids),
                 chunk_tokens=self.sampling.chunk_tokens, trace=trace)
             continued_at = len(tokens) if tokens else None
             try:

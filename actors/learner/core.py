@@ -41,8 +41,9 @@ import torch
 from torch import distributed as dist
 
 from erlay.actors.learner.grpo import group_advantages, grpo_loss
+from erlay.actors.model.build import Policy, build_policy, publish_state, shape_of
 from erlay.actors.model.mtp import mtp_loss
-from erlay.actors.model.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
+from erlay.actors.model.policy import sequence_logprobs
 from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.learner")
@@ -192,7 +193,9 @@ def pad_rows(rows: list[list[Any]], width: int, dtype: torch.dtype) -> torch.Ten
 class LearnerCore:
     """One learner rank: the policy, its optimiser, versions, and the GRPO and SFT updates.
 
-    ``model_config`` holds :class:`~erlay.actors.model.policy.PolicyConfig`'s fields.  The optimiser
+    ``model_config`` describes the policy (:mod:`erlay.actors.model.build`: an HF causal LM or
+    the built-in model).  Only trainable parameters are optimised (with LoRA, the adapters and
+    any MTP heads).  The optimiser
     is AdamW (with ``weight_decay=0`` it is exactly Adam).  A frozen reference policy exists only
     when ``kl_coef > 0``; it is the policy RL starts from: the initial weights, replaced by
     the result of each :meth:`sft` warm start.  ``minibatches`` optimiser steps are taken per
@@ -216,11 +219,11 @@ class LearnerCore:
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         random.seed(seed)
-        self.config = PolicyConfig(**model_config)
-        self.model = PolicyModel(self.config)
+        self.model = build_policy(model_config, seed=seed)
+        self.config = self.model.cfg
         self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
                                        "weight_decay": weight_decay}
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._hyper)
+        self.optimizer = torch.optim.AdamW(self._trainable(), **self._hyper)
         self.reference = self._frozen_copy() if kl_coef > 0 else None
         self.max_grad_norm, self.clip_eps, self.is_cap = max_grad_norm, clip_eps, is_cap
         self.kl_coef, self.seed, self.minibatches = kl_coef, seed, minibatches
@@ -260,7 +263,7 @@ class LearnerCore:
     def versioned_weights(self) -> tuple[int, dict[str, np.ndarray]]:
         """The current version and its weights, read together (no step runs in between)."""
         with self._lock:
-            return self._version, state_to_numpy(self.model)
+            return self._version, publish_state(self.model)
 
     def evaluate_logprobs(self, prompts: list[list[int]],
                           completions: list[list[int]]) -> list[list[float]]:
@@ -413,7 +416,7 @@ class LearnerCore:
         optimizer = self.optimizer.state_dict()
         return {
             "format": STATE_FORMAT,
-            "model_config": self.config.to_dict(),
+            "model_config": shape_of(self.model),
             "model": tensors(self.model.state_dict()),
             "reference": None if self.reference is None else
             tensors(self.reference.state_dict()),
@@ -434,11 +437,11 @@ class LearnerCore:
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"learner state format {state.get('format')!r}, "
                              f"expected {STATE_FORMAT}")
-        # Through PolicyConfig, so a checkpoint written before a field existed (mtp_heads)
-        # compares with that field's default.
-        if PolicyConfig(**state["model_config"]).to_dict() != self.config.to_dict():
+        # Fields a checkpoint predates (mtp_heads) compare with this learner's defaults.
+        mine = shape_of(self.model)
+        if {**mine, **state["model_config"]} != mine:
             raise ValueError(f"checkpoint model config {state['model_config']} does not match "
-                             f"this learner's {self.config.to_dict()}")
+                             f"this learner's {mine}")
         with self._lock:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
@@ -461,7 +464,10 @@ class LearnerCore:
         self._group_ready = False
 
     # ------------------------------------------------------------------------ internals
-    def _frozen_copy(self) -> PolicyModel:
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _frozen_copy(self) -> Policy:
         ref = copy.deepcopy(self.model)
         ref.requires_grad_(False)
         return ref
@@ -540,7 +546,7 @@ class LearnerCore:
         poison every engine the weights go to.  Both conditions are global, so the ranks
         agree on skipping.
         """
-        params = list(self.model.parameters())
+        params = self._trainable()
         if tokens == 0:
             return 0.0
         grads = []
@@ -560,7 +566,7 @@ class LearnerCore:
         limit = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
         # The MTP heads are clipped on their own: one global norm would let their gradients
         # scale the policy's step, and the heads must not change what RL trains.
-        named = list(self.model.named_parameters())
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         heads = [p for n, p in named if n.startswith("mtp.")]
         norm = float(torch.nn.utils.clip_grad_norm_(
             [p for n, p in named if not n.startswith("mtp.")], limit))

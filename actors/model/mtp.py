@@ -22,13 +22,13 @@ model's (under the tempered distribution, or at temperature 1 for greedy), never
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
-from erlay.actors.model.policy import PolicyModel, left_pad
+from erlay.actors.model.policy import left_pad
 from erlay.actors.model.sampling import sample_token_f64, uniform
 
 Verify = Literal["coupled", "rejection"]
@@ -37,7 +37,7 @@ Verify = Literal["coupled", "rejection"]
 _SALT_DRAFT, _SALT_ACCEPT, _SALT_RESIDUAL = 0x5EED_D1, 0x5EED_A2, 0x5EED_E3
 
 
-def mtp_loss(model: PolicyModel, prompts: list[list[int]], completions: list[list[int]], *,
+def mtp_loss(model: Any, prompts: list[list[int]], completions: list[list[int]], *,
              detach_trunk: bool = True) -> tuple[torch.Tensor, int, list[float]]:
     """The MTP heads' summed cross-entropy on the completion tokens, teacher-forced.
 

@@ -75,17 +75,17 @@ class MTPModule(nn.Module):
     at ``t + k`` and predicts the token at ``t + k + 1`` through the shared output head.
     No attention: it reads only position ``t``, so drafting costs a few small matmuls."""
 
-    def __init__(self, cfg: PolicyConfig) -> None:
+    def __init__(self, d_model: int) -> None:
         super().__init__()
-        self.norm_h = nn.LayerNorm(cfg.d_model)
-        self.norm_e = nn.LayerNorm(cfg.d_model)
-        self.proj = nn.Linear(2 * cfg.d_model, cfg.d_model)
-        self.norm = nn.LayerNorm(cfg.d_model)
+        self.norm_h = nn.LayerNorm(d_model)
+        self.norm_e = nn.LayerNorm(d_model)
+        self.proj = nn.Linear(2 * d_model, d_model)
+        self.norm = nn.LayerNorm(d_model)
         # A narrow MLP (d_model wide, not d_ff): drafting runs k of these per decode step,
         # so their cost is the speculation's overhead.
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.GELU(),
-                                 nn.Linear(cfg.d_model, cfg.d_model))
-        self.out = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, d_model), nn.GELU(),
+                                 nn.Linear(d_model, d_model))
+        self.out = nn.LayerNorm(d_model)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """``h`` and ``emb`` are ``[..., D]``; returns the next depth's ``[..., D]``."""
@@ -106,7 +106,7 @@ class PolicyModel(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_heads))
+        self.mtp = nn.ModuleList(MTPModule(cfg.d_model) for _ in range(cfg.mtp_heads))
         self.apply(self._init)
 
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Iterable
+from typing import Any
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -20,6 +21,7 @@ class CharTokenizer:
     """Maps characters of ``alphabet`` to ids after the four special tokens."""
 
     pad_id, bos_id, eos_id, unk_id = PAD, BOS, EOS, UNK
+    stop_ids = (EOS,)
 
     def __init__(self, alphabet: str = ALPHABET) -> None:
         if len(set(alphabet)) != len(alphabet):
@@ -55,3 +57,7 @@ class CharTokenizer:
             idx = tid - len(SPECIALS)
             out.append(self.alphabet[idx] if idx < len(self.alphabet) else "\ufffd")
         return "".join(out)
+
+    def prompt_ids(self, prompt: str, messages: Any = None, tools: Any = None) -> list[int]:
+        """An episode's prompt: BOS, then its characters (no chat template here)."""
+        return self.encode(prompt, bos=True)
