@@ -135,6 +135,10 @@ class EngineSection(Section):
     max_batch: int = Field(256, ge=1, description="requests decoded together")
     torch_threads: int = Field(1, ge=1, description="torch threads per engine process")
     max_new_tokens: int = Field(8, ge=1, description="tokens per turn")
+    stop: list[str] = Field(default_factory=list, description="stop strings: a turn ends "
+                            "at the token that completes the first one in its decoded text "
+                            "(later tokens are dropped; the environment sees the text before "
+                            "it); the tokenizer's EOS always stops")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0 = greedy)")
     chunk_tokens: int = Field(8, ge=1, description="stream a chunk at least this often")
     decode_deadline_s: float = Field(30.0, gt=0, description="hang deadline of a decode step; "
