@@ -5,6 +5,8 @@ Rooms, each a subpackage with one responsibility (lower rooms never import highe
 - :mod:`erlay.actors.config` and :mod:`erlay.actors.rundir`: the job's typed config and its
   run directory, the vocabulary every room shares;
 - :mod:`erlay.actors.model`: the policy model, tokenizer, seeded sampling, MTP, HF export;
+- :mod:`erlay.actors.data`: datasets (``data.train``, ``data.validation``) loaded into checked
+  rows;
 - :mod:`erlay.actors.journal`: the durable rollout journal (format, folded state, reading);
 - :mod:`erlay.actors.engine`: the generation engine protocol and its torch and vLLM backends;
 - :mod:`erlay.actors.learner`: the GRPO learner, its rank actor and its checkpoints;
