@@ -24,13 +24,23 @@ Parsing, whichever of ``<py>`` and ``A:`` comes first in a completion decides wh
 Every failure ends the episode with reward 0.0.  A tool call past ``max_tool_calls`` ends it
 with "too many tool calls"; one on the last turn, which would leave no turn to answer, ends
 it with "max turns exceeded".
+
+Dataset rows.  Given ``rows`` (the job passes ``data.train``'s; see
+:mod:`erlay.environments.dataset` for their shape and order), episode ``index`` plays row
+:func:`~erlay.environments.dataset.row_position` instead of a generated product: the prompt is
+``prompt_template`` over the row (default ``"Q:{prompt}"``, so a row ``"37*41?"`` reads as a
+generated one), the answer is the row's final answer (after ``####``, or boxed).  The
+demonstration's tool call prints the row's ``code`` metadata column when it has one, the
+prompt itself when that is a plain arithmetic expression, else the answer.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from erlay.environments.arithmetic import operand_range, parse_operations
 from erlay.environments.base import (
@@ -43,12 +53,14 @@ from erlay.environments.base import (
     check_param,
     sanitize_text,
 )
+from erlay.environments.dataset import check_rows, gold_answer, row_position
 
 OPERATIONS = ("*", "+", "-")
 MAX_DIGITS = 6             # keeps the prompt within 16 characters
 CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
 ANSWER_TAG = "A:"
 ELLIPSIS = "..."
+_EXPRESSION = re.compile(r"[0-9+\-*/%(). ]+")
 
 
 def _int_param(value: object, name: str, lo: int, hi: int | None = None) -> None:
@@ -67,11 +79,15 @@ class ToolUseEnv:
     - ``require_tool_call``: whether an answer before any tool call scores 0.0 (default True).
     - ``max_observation_chars``: longest tool output shown, >= 8 (default 24); longer output
       is cut and ends with ``...``.
+    - ``rows``: dataset rows to play instead of generated products (module docstring), in
+      a seeded order per epoch unless ``shuffle`` is False; ``prompt_template`` formats them.
     """
 
     def __init__(self, digits: int = 2, operations: str | Sequence[str] = "*",
                  max_turns: int = 2, max_tool_calls: int = 1, require_tool_call: bool = True,
-                 max_observation_chars: int = 24, name: str = "tool_use") -> None:
+                 max_observation_chars: int = 24, name: str = "tool_use",
+                 rows: Sequence[Mapping[str, Any]] | None = None, shuffle: bool = True,
+                 prompt_template: str = "Q:{prompt}") -> None:
         _int_param(digits, "digits", 1, MAX_DIGITS)
         _int_param(max_turns, "max_turns", 2)
         _int_param(max_tool_calls, "max_tool_calls", 1)
@@ -86,9 +102,17 @@ class ToolUseEnv:
         self.require_tool_call = require_tool_call
         self.max_observation_chars = max_observation_chars
         self.name = name
+        check_param(isinstance(shuffle, bool), "shuffle", shuffle, "a bool")
+        check_param(isinstance(prompt_template, str) and "{prompt}" in prompt_template,
+                    "prompt_template", prompt_template, "a format string with {prompt}")
+        self.rows = None if rows is None else check_rows(rows)
+        self.shuffle = shuffle
+        self.prompt_template = prompt_template
 
     def reset(self, index: int, seed: int) -> Episode:
         """Episode ``index`` of stream ``seed``; the same in every process."""
+        if self.rows is not None:
+            return self._row_episode(index, seed)
         rng = random.Random(f"{self.name}:{seed}:{index}")
         lo, hi = operand_range(self.digits)
         op = rng.choice(self.operations)
@@ -96,6 +120,17 @@ class ToolUseEnv:
         result = {"*": a * b, "+": a + b, "-": a - b}[op]
         return Episode(episode_id=f"{self.name}/{seed}/{index}", prompt=f"Q:{a}{op}{b}?",
                        answer=str(result), metadata={"a": a, "b": b, "op": op})
+
+    def _row_episode(self, index: int, seed: int) -> Episode:
+        assert self.rows is not None
+        position = row_position(index, seed, len(self.rows), self.shuffle)
+        row = self.rows[position]
+        prompt = self.prompt_template.format(**row["metadata"], prompt=row["prompt"])
+        metadata = {**row["metadata"], "row": position, "source": row["source"]}
+        if row["messages"] is not None:
+            metadata["messages"] = row["messages"]
+        return Episode(episode_id=f"{self.name}/{seed}/{index}", prompt=prompt,
+                       answer=gold_answer(row["answer"]), metadata=metadata)
 
     def step(self, episode: Episode, completion: str) -> tuple[Episode, StepResult]:
         """Parse one completion (see the module docstring).  Never raises for malformed
@@ -164,7 +199,20 @@ class ToolUseEnv:
         """The two pairs of a correct episode: the prompt and the tool call, then the
         context up to the observation and the answer."""
         meta = episode.metadata
-        call = f"{CALL_OPEN}print({meta['a']}{meta['op']}{meta['b']}){CALL_CLOSE}"
+        if "row" in meta and self.rows is not None:
+            call = f"{CALL_OPEN}{self._row_code(meta, episode.answer)}{CALL_CLOSE}"
+        else:
+            call = f"{CALL_OPEN}print({meta['a']}{meta['op']}{meta['b']}){CALL_CLOSE}"
         observation = self.observation(f"{episode.answer}\n")
         return [(episode.prompt, call),
                 (episode.prompt + call + observation, f"{ANSWER_TAG}{episode.answer}")]
+
+    def _row_code(self, meta: Mapping[str, Any], answer: str) -> str:
+        """The tool call a demonstration of a dataset row makes (class docstring)."""
+        assert self.rows is not None
+        if isinstance(meta.get("code"), str) and meta["code"].strip():
+            return str(meta["code"]).strip()
+        expression = self.rows[int(meta["row"])]["prompt"].strip().rstrip("?=").strip()
+        if expression and _EXPRESSION.fullmatch(expression):
+            return f"print({expression})"
+        return f"print({answer!r})"
