@@ -61,6 +61,19 @@ CALL_OPEN, CALL_CLOSE = "<py>", "</py>"
 ANSWER_TAG = "A:"
 ELLIPSIS = "..."
 _EXPRESSION = re.compile(r"[0-9+\-*/%(). ]+")
+# The python tool as an OpenAI-style function schema, for chat templates (data.chat): the
+# model is told of it in the prompt, and calls it by writing <py>CODE</py>.
+PYTHON_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": f"run a Python program, written as {CALL_OPEN}CODE{CALL_CLOSE}; what "
+                       "it prints comes back as the observation",
+        "parameters": {"type": "object", "required": ["code"],
+                       "properties": {"code": {"type": "string",
+                                               "description": "the program"}}},
+    },
+}
 
 
 def _int_param(value: object, name: str, lo: int, hi: int | None = None) -> None:
@@ -82,6 +95,8 @@ class ToolUseEnv:
     - ``rows``: dataset rows to play instead of generated products (module docstring), in
       a seeded order per epoch unless ``shuffle`` is False; ``prompt_template`` formats them.
     """
+
+    tools = (PYTHON_TOOL,)   # tool schemas a chat template renders (data.chat)
 
     def __init__(self, digits: int = 2, operations: str | Sequence[str] = "*",
                  max_turns: int = 2, max_tool_calls: int = 1, require_tool_call: bool = True,
