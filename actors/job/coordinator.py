@@ -9,7 +9,12 @@ step ``n + 1`` overlaps the update of step ``n``, and with 0 the loop is synchro
 trajectory records the version of each token segment; one whose oldest segment is older than
 ``B + n - max_staleness`` when step ``n`` trains is not trained on (it is counted).
 
-Data order is deterministic: step ``n``, group ``g`` plays episode ``n * groups + g``.
+Data order is deterministic: step ``n``, group ``g`` plays episode ``n * groups + g``.  The
+step comes from the learner (its checkpoint on ``--resume``), so the data position does too: a
+dataset-backed environment maps the episode index to its row (epoch and seeded order
+included, :func:`erlay.environments.dataset.row_position`), and a resumed run continues at
+the same row.  With ``data.validation_every`` the validation rows are played after every
+so many steps (:mod:`~erlay.actors.job.validation`): never journaled, never trained on.
 
 User code cannot take the loop down: the environment is called through a
 :class:`~erlay.actors.job.plugins.GuardedEnvironment`, so its failures fail samples; a
@@ -39,6 +44,7 @@ from erlay.actors.job.domains import (
 )
 from erlay.actors.job.plugins import PluginFailing, UserCodeFailed, UserError
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
+from erlay.actors.job.validation import Validator
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.learner.core import TrainBatch
@@ -146,6 +152,7 @@ class RolloutCoordinator:
         self.rewinds = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.checkpoint_exposed_s: list[float] = []   # per save, seconds the learner blocked
+        self.validator: Validator | None = None   # with data.validation_every, from setup
         job.coordinator = self
 
     async def setup(self) -> None:
@@ -166,11 +173,16 @@ class RolloutCoordinator:
                                  breaker=BreakerSettings(**cfg.judge.breaker.model_dump()),
                                  judge_path=cfg.judge.cls, rule=self.job.env.rule)
         sampling = SamplingParams(self.cfg.engine.max_new_tokens, self.cfg.engine.temperature,
-                                  self.cfg.engine.chunk_tokens, self.cfg.run.seed)
+                                  self.cfg.engine.chunk_tokens, self.cfg.run.seed,
+                                  stop=tuple(self.cfg.engine.stop))
         self.runner = RolloutRunner(self.job.env, self.job.tokenizer, self.engines, self.sandbox,
                                     self.judge, self.sink, sampling, self.job.plan.max_seq_len,
                                     observer=getattr(self.job, "telemetry", None))
         self.runner.batcher.idle_s = 2 * cfg.engine.decode_deadline_s
+        if getattr(self.job, "validation_env", None) is not None:
+            self.validator = Validator(self.job.validation_env, self.runner,
+                                       cfg.data.validation_every, cfg.data.validation_size,
+                                       cfg.run.seed, self.job.validation_rows)
 
     # ------------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -236,6 +248,8 @@ class RolloutCoordinator:
                     self.reported_upto = n
                 if (n + 1) % cfg.checkpoint.every_steps == 0 or n + 1 == steps:
                     self.checkpoint_exposed_s.append(await self._checkpoint())
+                if self.validator is not None and self.validator.due(n):
+                    self.report(await self.validator.validate(n))
                 n += 1
         finally:
             await _cancel(generation.values())

@@ -26,11 +26,11 @@ from erlay.actors.config import ConfigError, DomainFlags, JobConfig
 from erlay.actors.job.modelplan import plan_model
 from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
 from erlay.actors.job.plugins import GuardedEnvironment, RateRule
+from erlay.actors.job.validation import job_environments
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
 from erlay.actors.observe.telemetry import JobTelemetry
 from erlay.actors.rundir import RunDir
-from erlay.environments.base import load_environment
 from erlay.supervisor.errors import ChildStartError, SupervisorFailed, VersionMismatch
 from erlay.supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
 from erlay.supervisor.host import host_spec
@@ -111,10 +111,16 @@ class Job:
         self.plan = plan_model(cfg)
         self.tokenizer = self.plan.tokenizer
         plugins = cfg.plugins
+        envs = job_environments(cfg)   # with data.train: environments on the dataset's rows
         self.env = GuardedEnvironment(
-            load_environment(cfg.environment.cls, **cfg.environment.kwargs),
-            cfg.environment.cls, timeout_s=plugins.timeout_s,
+            envs.train, cfg.environment.cls, timeout_s=plugins.timeout_s,
             rule=RateRule(plugins.window, plugins.max_failure_rate, plugins.min_calls))
+        self.validation_env: GuardedEnvironment | None = None   # data.validation's
+        self.validation_rows = envs.validation_rows
+        if envs.validation is not None:
+            self.validation_env = GuardedEnvironment(
+                envs.validation, cfg.environment.cls, timeout_s=plugins.timeout_s,
+                rule=RateRule(plugins.window, plugins.max_failure_rate, plugins.min_calls))
         self.abort_reason: str | None = None   # set when the job must stop, failed
         self.completed_steps: int | None = None   # the coordinator's, when training ends
         self.journal: Journal | None = None
@@ -390,6 +396,8 @@ class Job:
 
     def _close(self) -> None:
         self.env.close()
+        if self.validation_env is not None:
+            self.validation_env.close()
         self.telemetry.close()
         self._jsonl.close()
         if self.journal is not None:

@@ -12,10 +12,14 @@ so the command exits 2 having started nothing:
 - a prompt cannot fit ``model.max_seq_len`` together with ``engine.max_new_tokens``: the
   first :data:`PROMPTS_CHECKED` episodes, and as many warm-start ones, are reset and
   tokenized;
-- the environment's ``reset`` fails on those episodes.
+- the environment's ``reset`` fails on those episodes;
+- ``data.train`` / ``data.validation`` (:mod:`erlay.actors.data`): a missing file or uncached
+  hub id, a missing column, a bad row (named by file and 1-based row), an empty dataset, an
+  environment class that takes no ``rows``; with a dataset every row's prompt is checked
+  against the sequence limit (up to :data:`ROWS_CHECKED` rows), not only the first episodes.
 
 May import: erlay.supervisor, erlay.environments, erlay.judges, erlay.actors.config,
-erlay.actors.model, erlay.actors.job.modelplan.
+erlay.actors.model, erlay.actors.job.modelplan, erlay.actors.data.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from erlay.actors.job.modelplan import ModelPlan, plan_model
 from erlay.supervisor.imports import import_path
 
 PROMPTS_CHECKED = 64
+ROWS_CHECKED = 100_000   # dataset rows whose prompts are tokenized before the start
 WARM_START_BASE = 10_000_000  # the coordinator's warm-start episode indexes start here
 
 ENV_METHODS = ("reset", "step", "observe", "demonstration")
@@ -56,6 +61,15 @@ def check_environment_class(path: str, kwargs: dict[str, Any]) -> Any:
     return target
 
 
+def _takes(target: Any, name: str) -> bool:
+    """Whether ``target``'s signature accepts the keyword ``name`` (True when unknowable)."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def check_judge_class(path: str, kwargs: dict[str, Any]) -> Any:
     """The judge class at ``path``, checked for ``score`` or ``score_async`` and kwargs."""
     target = import_path(path, "judge")
@@ -67,13 +81,23 @@ def check_judge_class(path: str, kwargs: dict[str, Any]) -> Any:
     return target
 
 
-def build_environment(cfg: JobConfig) -> Any:
-    """Build the job's environment, turning every way it can fail into one ConfigError."""
+def build_environment(cfg: JobConfig, rows: list[dict[str, Any]] | None = None) -> Any:
+    """Build the job's environment (given dataset ``rows``, the environment that plays
+    them), turning every way it can fail into one ConfigError."""
     from erlay.environments.base import load_environment
     path = cfg.environment.cls
-    check_environment_class(path, dict(cfg.environment.kwargs))
+    kwargs = dict(cfg.environment.kwargs)
+    if rows is not None:
+        from erlay.actors.data.rows import environment_kwargs
+        target = import_path(path, "environment")
+        if not _takes(target, "rows"):
+            raise ConfigError(f"data.train: {path} takes no dataset rows (no rows= parameter);"
+                              f" use erlay.environments.dataset:DatasetEnv, or give the class "
+                              f"rows= and shuffle= parameters")
+        kwargs = environment_kwargs(cfg.data, kwargs, rows)
+    check_environment_class(path, kwargs)
     try:
-        return load_environment(path, **cfg.environment.kwargs)
+        return load_environment(path, **kwargs)
     except TypeError as exc:  # missing members on the built object
         raise ConfigError(f"environment.class: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the user's constructor: any error is bad input
@@ -81,8 +105,10 @@ def build_environment(cfg: JobConfig) -> Any:
                           f"{type(exc).__name__}: {exc}") from None
 
 
-def check_prompts(cfg: JobConfig, env: Any, plan: ModelPlan) -> None:
-    """Reset the first episodes of training and of the warm start; each prompt must leave
+def check_prompts(cfg: JobConfig, env: Any, plan: ModelPlan, rows: int = 0,
+                  warm_start: bool = True) -> None:
+    """Reset the first episodes of training and of the warm start (with ``rows`` dataset
+    rows: the first ``rows`` episodes, which play every row once); each prompt must leave
     ``engine.max_new_tokens`` of room in the sequence limit (``model.max_seq_len``, or the
     HF model's position limit)."""
     seq_len, tokenizer = plan.max_seq_len, plan.tokenizer
@@ -90,9 +116,9 @@ def check_prompts(cfg: JobConfig, env: Any, plan: ModelPlan) -> None:
     if limit < 1:
         raise ConfigError(f"engine.max_new_tokens: {cfg.engine.max_new_tokens} leaves no room "
                           f"for a prompt in model.max_seq_len {seq_len}")
-    indexes = [*range(PROMPTS_CHECKED),
+    indexes = [*range(max(PROMPTS_CHECKED, min(rows, ROWS_CHECKED))),
                *(range(WARM_START_BASE, WARM_START_BASE + PROMPTS_CHECKED)
-                 if cfg.warm_start.steps else ())]
+                 if cfg.warm_start.steps and warm_start else ())]
     for index in indexes:
         try:
             episode = env.reset(index, cfg.run.seed)
@@ -102,16 +128,38 @@ def check_prompts(cfg: JobConfig, env: Any, plan: ModelPlan) -> None:
             raise ConfigError(f"environment.class: {cfg.environment.cls}.reset({index}, "
                               f"{cfg.run.seed}) failed: {type(exc).__name__}: {exc}") from None
         if len(prompt) > limit:
+            source = episode.metadata.get("source")
+            what = f"{source}'s prompt" if isinstance(source, str) else \
+                f"episode {index}'s prompt"
             raise ConfigError(
-                f"model.max_seq_len: episode {index}'s prompt is {len(prompt)} tokens; with "
+                f"model.max_seq_len: {what} is {len(prompt)} tokens; with "
                 f"engine.max_new_tokens {cfg.engine.max_new_tokens} it needs max_seq_len >= "
                 f"{len(prompt) + cfg.engine.max_new_tokens} (is {seq_len})")
+
+
+def check_data(cfg: JobConfig, plan: ModelPlan) -> tuple[Any, Any]:
+    """Load ``data.train`` and ``data.validation`` (every row checked), build the
+    environment on each, and check their prompts; returns ``(train env, validation env or
+    None)``."""
+    from erlay.actors.data.rows import load_rows
+    rows = load_rows(cfg.data, "train")
+    env = build_environment(cfg, rows)
+    check_prompts(cfg, env, plan, rows=len(rows))
+    if cfg.data.validation is None:
+        return env, None
+    val_rows = load_rows(cfg.data, "validation")
+    val_env = build_environment(cfg, val_rows)
+    size = min(len(val_rows), cfg.data.validation_size or len(val_rows))
+    check_prompts(cfg, val_env, plan, rows=size, warm_start=False)
+    return env, val_env
 
 
 def preflight(cfg: JobConfig, plan: ModelPlan | None = None) -> Any:
     """Run every check; return the built environment (the job reuses it)."""
     plan = plan or plan_model(cfg)   # the model and tokenizer first: the prompts need them
     check_judge_class(cfg.judge.cls, dict(cfg.judge.kwargs))
+    if cfg.data.train is not None:
+        return check_data(cfg, plan)[0]
     env = build_environment(cfg)
     check_prompts(cfg, env, plan)
     return env
