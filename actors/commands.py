@@ -6,6 +6,8 @@
   erlay status [--watch | --json]         the live tree of a running job
   erlay report RUN_DIR                    a Markdown report with plots of a finished or
                                           crashed run
+  erlay export RUN_DIR OUT_DIR            a checkpoint as a Hugging Face model directory
+         [--step N] [--adapter]           (merged weights, or the LoRA adapter alone)
 
 Importing this module is cheap: each command imports what it runs inside :meth:`run`.
 """
@@ -164,7 +166,38 @@ class ReportCommand:
         return cli_report(args)
 
 
+@dataclass(frozen=True)
+class ExportCommand:
+    """``erlay export``: 0 written; 2 when the run directory, the step or the adapter is
+    missing (see :func:`erlay.actors.job.export.export_run`).  Ray is not needed."""
+
+    name: str = "export"
+    help: str = "write a run's checkpoint as a Hugging Face model directory"
+    takes_overrides: bool = False
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("run_dir", help="the run directory (it holds config.yaml and "
+                            "checkpoints/)")
+        parser.add_argument("out_dir", help="where to write the model directory")
+        parser.add_argument("--step", type=int, help="the checkpoint of this step (default: "
+                            "the newest committed one)")
+        parser.add_argument("--adapter", action="store_true", help="write the LoRA adapter "
+                            "alone (peft's adapter_config.json and adapter_model.safetensors) "
+                            "instead of the merged model")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from erlay.actors.job.export import ExportError, export_run
+        try:
+            done = export_run(args.run_dir, args.out_dir, step=args.step, adapter=args.adapter)
+        except ExportError as exc:
+            print(f"erlay: {exc}", file=sys.stderr)
+            return 2
+        print(f"erlay: exported step {done.step} ({done.kind}) to {done.out}")
+        return 0
+
+
 RUN = RunCommand()
 JOURNAL = JournalCommand()
 STATUS = StatusCommand()
 REPORT = ReportCommand()
+EXPORT = ExportCommand()

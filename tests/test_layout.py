@@ -264,6 +264,7 @@ def test_commands_come_from_their_packages_entry_points() -> None:
                        "journal": "erlay.actors.commands:JOURNAL",
                        "status": "erlay.actors.commands:STATUS",
                        "report": "erlay.actors.commands:REPORT",
+                       "export": "erlay.actors.commands:EXPORT",
                        "chaos": "erlay.chaos.commands:CHAOS",
                        "topology": "erlay.supervisor.node.commands:TOPOLOGY"}
 
