@@ -36,7 +36,7 @@ from erlay.actors.job.domains import (
 from erlay.actors.job.plugins import GuardedEnvironment, UserCodeFailed, UserError
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.model.sampling import rollout_seed
-from erlay.actors.model.tokens import Tokenizer
+from erlay.actors.model.tokens import Tokenizer, stop_at, stop_cut
 from erlay.environments.base import Episode, tool_output_from_result
 from erlay.supervisor import telemetry
 from erlay.supervisor.failpoints import afailpoint
@@ -100,6 +100,7 @@ class SamplingParams:
     temperature: float
     chunk_tokens: int
     base_seed: int
+    stop: tuple[str, ...] = ()   # engine.stop: strings that end a turn (see _play)
 
 
 @dataclass
@@ -188,6 +189,9 @@ class RolloutRunner:
                  observer: RolloutObserver | None = None) -> None:
         self.env = env
         self.tok = tokenizer
+        # The environment's tool schemas for the chat template, read from the environment
+        # itself (the guard wraps it), as preflight reads them when it measures prompts.
+        self.tools = getattr(getattr(env, "env", env), "tools", None)
         self.engines = engines
         self.sandbox = sandbox
         self.judge = judge
@@ -267,7 +271,7 @@ class RolloutRunner:
     async def _play(self, rollout_id: str, step: int, group: int, episode: Episode,
                     episode_index: int, history: RolloutHistory, version: int) -> Trajectory:
         prompt_ids = self.tok.prompt_ids(episode.prompt, episode.metadata.get("messages"),
-                                         getattr(self.env, "tools", None))
+                                         self.tools)
         traj = Trajectory(rollout_id, step, group, episode_index, prompt_ids)
         seed = rollout_seed(self.sampling.base_seed, rollout_id)
         if not history.dispatched:
@@ -306,12 +310,21 @@ class RolloutRunner:
                     span.set_attribute("erlay.policy_version", max(versions, default=-1))
                 if self.observer is not None:
                     self.observer.generation_latency(latency, step)
+            # A stop string ends the turn at the token that completes it: what the engine
+            # streamed after it (the journal keeps it) is not part of the turn.  The cut is a
+            # function of the tokens, so a replay from the journal cuts at the same token.
+            cut = stop_cut(self.tok, tokens, self.sampling.stop)
+            if cut is not None:
+                tokens, logprobs, versions = tokens[:cut], logprobs[:cut], versions[:cut]
             traj.completion_ids += tokens
             traj.logprobs += logprobs
             traj.versions += versions
             traj.loss_mask += [True] * len(tokens)
             traj.generated_tokens += len(tokens)
             text = self.tok.decode(t for t in tokens if t not in self.tok.stop_ids)
+            if cut is not None:   # the environment sees the text before the stop string
+                at = stop_at(text, self.sampling.stop)
+                text = text if at is None else text[:at]
             try:
                 episode, result = await self.env.step(episode, text)
                 if result.done or result.tool_call is None:
@@ -347,7 +360,11 @@ class RolloutRunner:
                         journaled: TurnHistory) -> tuple[list[int], list[float], list[int]]:
         """Generate one turn, continuing after its ``journaled`` tokens.  If the engine dies,
         continue on another one from the tokens received (the dead one's restart is not
-        awaited); the first chunk after such a failover is timed in ``resumes``."""
+        awaited); the first chunk after such a failover is timed in ``resumes``.
+
+        Once the tokens hold a stop string the engine is asked to abort the request (the
+        stream still ends with its final chunk), and a journaled prefix that already holds one
+        is not continued: either way :meth:`_play` cuts the turn at the same token."""
         tokens = list(journaled.token_ids)
         logprobs = list(journaled.logprobs)
         versions = list(journaled.versions)
@@ -360,6 +377,11 @@ class RolloutRunner:
         give_up = time.monotonic() + FAILOVER_BUDGET_S
         trace = telemetry.carrier()
         while True:
+            stop = self.sampling.stop
+            if stop and stop_cut(self.tok, tokens, stop) is not None:
+                # The turn (journaled, or received before its engine died) already met its
+                # stop string: nothing after it would be kept.
+                return tokens, logprobs, versions
             engine = await self.engines.acquire(exclude=frozenset(failed_engines))
             try:
                 incarnation = engine.incarnation
@@ -410,6 +432,10 @@ class RolloutRunner:
                     if chunk.finished:
                         self.generate_seconds += time.monotonic() - started
                         return tokens, logprobs, versions
+                    if stop and chunk.token_ids and \
+                            stop_cut(self.tok, tokens, stop) is not None:
+                        stop = ()   # ask once; the stream goes on to its final chunk
+                        self._abort(engine, request.request_id)
             except CHILD_GONE as exc:
                 traj.resumed += 1
                 failed_at = failed_at or time.monotonic()
@@ -427,6 +453,16 @@ class RolloutRunner:
                 await asyncio.sleep(0.02)
             finally:
                 self.engines.release(engine)
+
+    @staticmethod
+    def _abort(engine: Any, request_id: str) -> None:
+        """Ask ``engine`` to stop ``request_id`` at its next step, without waiting: the turn
+        met a stop string.  Only a saving: if the abort is lost, the turn runs to its end and
+        is cut all the same."""
+        try:
+            engine.actor.abort.remote(request_id)
+        except Exception as exc:  # noqa: BLE001 - gone or refusing: the stream tells
+            log.debug("abort of %s on %s failed: %s", request_id, engine.path, exc)
 
     async def _tool(self, rollout_id: str, n: int, code: str, episode: Episode,
                     history: RolloutHistory) -> tuple[Episode, str]:

@@ -9,11 +9,13 @@ prompt of an episode, through the chat template when the job is chat-formatted).
 - text is encoded without the tokenizer's automatic specials; ``bos=True`` prepends the BOS
   token if the tokenizer has one (Qwen2's has none) and ``eos=True`` appends its EOS;
 - with ``chat=True`` a prompt becomes ``[system] + user`` messages (or the episode's own
-  ``messages``), with the environment's tool schemas, through ``apply_chat_template`` with
-  the generation prompt added;
+  ``messages``, which get the system prompt unless they carry their own), with the
+  environment's tool schemas, through ``apply_chat_template`` with the generation prompt
+  added;
 - ``stop_ids`` are EOS plus the model's ``generation_config.eos_token_id`` (chat models end a
-  turn with their own token, e.g. ``<|im_end|>``); stop strings are matched on decoded text by
-  :func:`stop_at`.
+  turn with their own token, e.g. ``<|im_end|>``); stop strings (``engine.stop``) are matched
+  on decoded text: :func:`stop_cut` says which token ends a turn, :func:`stop_at` where its
+  text ends.
 
 Contract: pure; loads tokenizer files from a local directory only.
 """
@@ -84,10 +86,9 @@ class HFTokenizer:
         """An episode's prompt as ids: plain text after BOS, or the chat template's rendering."""
         if not self.chat:
             return self.encode(prompt, bos=True)
-        if not messages:
-            messages = [{"role": "user", "content": prompt}]
-            if self.system_prompt:
-                messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        messages = list(messages) if messages else [{"role": "user", "content": prompt}]
+        if self.system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
         out = self.tok.apply_chat_template(list(messages), tools=list(tools) if tools else None,
                                            add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "input_ids"):   # BatchEncoding in 5.x
@@ -99,6 +100,38 @@ def stop_at(text: str, stop: Sequence[str]) -> int | None:
     """The index where the first stop string starts in ``text``, or None."""
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else None
+
+
+def stop_cut(tok: Tokenizer, token_ids: Sequence[int], stop: Sequence[str]) -> int | None:
+    """How many of ``token_ids`` a turn keeps when it meets a stop string: the length of the
+    shortest prefix whose decoded text contains one (the token that completes it is kept),
+    or None when the decoded text holds none.
+
+    A function of the tokens alone, so a turn replayed from the journal, or continued from a
+    journaled prefix that already holds the stop string, is cut at the same token.  It relies
+    on decoding being prefix-monotone (the text of a prefix of the tokens is a prefix of the
+    text, up to an incomplete character at its end), which holds for the WordLevel, BPE and
+    SentencePiece decoders; that makes the shortest prefix a binary search: ``log2(n) + 1``
+    decodes instead of ``n``.
+    """
+    stop = [s for s in stop if s]
+    if not stop or not token_ids:
+        return None
+    ids = list(token_ids)
+
+    def holds(n: int) -> bool:
+        return stop_at(tok.decode(ids[:n]), stop) is not None
+
+    if not holds(len(ids)):
+        return None
+    lo, hi = 0, len(ids)   # holds(hi); the empty prefix holds nothing
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def load_hf_tokenizer(path: str | Path, *, trust_remote_code: bool = False, chat: bool = False,
