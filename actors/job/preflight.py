@@ -128,13 +128,16 @@ def check_prompts(cfg: JobConfig, env: Any, plan: ModelPlan, rows: int = 0,
             raise ConfigError(f"environment.class: {cfg.environment.cls}.reset({index}, "
                               f"{cfg.run.seed}) failed: {type(exc).__name__}: {exc}") from None
         if len(prompt) > limit:
+            # With no model.max_seq_len the model's position limit binds: raising it is no fix.
+            bound = ", the model's position limit" if cfg.model.hf and \
+                cfg.model.max_seq_len is None else ""
             source = episode.metadata.get("source")
             what = f"{source}'s prompt" if isinstance(source, str) else \
                 f"episode {index}'s prompt"
             raise ConfigError(
                 f"model.max_seq_len: {what} is {len(prompt)} tokens; with "
                 f"engine.max_new_tokens {cfg.engine.max_new_tokens} it needs max_seq_len >= "
-                f"{len(prompt) + cfg.engine.max_new_tokens} (is {seq_len})")
+                f"{len(prompt) + cfg.engine.max_new_tokens} (is {seq_len}{bound})")
 
 
 def check_data(cfg: JobConfig, plan: ModelPlan) -> tuple[Any, Any]:
