@@ -92,6 +92,8 @@ def _quiet_datasets() -> Any:
 def _load_file(path: Path, key: str) -> Any:
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"{key}: {path}: expected a .jsonl, .json or .parquet file")
+    if _holds_no_rows(path):  # the readers fail on these with no useful message
+        raise ConfigError(f"{key}: {path} holds no rows")
     datasets = _quiet_datasets()
     try:
         with tempfile.TemporaryDirectory(prefix="erlay-data-") as cache:
@@ -103,6 +105,17 @@ def _load_file(path: Path, key: str) -> Any:
         if path.suffix == ".jsonl":
             _scan_jsonl(path, key)  # raises with the row when it can find one
         raise ConfigError(f"{key}: {path} cannot be read: {_first_line(exc)}") from None
+
+
+def _holds_no_rows(path: Path) -> bool:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        try:
+            return int(pq.ParquetFile(path).metadata.num_rows) == 0
+        except Exception:  # noqa: BLE001 - not Parquet at all: the reader says so
+            return False
+    with path.open(encoding="utf-8", errors="replace") as f:
+        return not any(line.strip() for line in f)
 
 
 def _load_hub(spec: str, key: str, subset: str | None, split: str) -> Any:

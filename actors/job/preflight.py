@@ -140,17 +140,23 @@ def check_prompts(cfg: JobConfig, env: Any, plan: ModelPlan, rows: int = 0,
                 f"{len(prompt) + cfg.engine.max_new_tokens} (is {seq_len}{bound})")
 
 
-def check_data(cfg: JobConfig, plan: ModelPlan) -> tuple[Any, Any]:
-    """Load ``data.train`` and ``data.validation`` (every row checked), build the
-    environment on each, and check their prompts; returns ``(train env, validation env or
-    None)``."""
+def load_data(cfg: JobConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """``data.train``'s rows and ``data.validation``'s (None when unset), every row
+    checked (:func:`erlay.actors.data.rows.load_rows`)."""
     from erlay.actors.data.rows import load_rows
     rows = load_rows(cfg.data, "train")
+    val_rows = load_rows(cfg.data, "validation") if cfg.data.validation is not None else None
+    return rows, val_rows
+
+
+def check_data(cfg: JobConfig, plan: ModelPlan, rows: list[dict[str, Any]],
+               val_rows: list[dict[str, Any]] | None) -> tuple[Any, Any]:
+    """Build the environment on the training rows, and on the validation rows, and check
+    their prompts; returns ``(train env, validation env or None)``."""
     env = build_environment(cfg, rows)
     check_prompts(cfg, env, plan, rows=len(rows))
-    if cfg.data.validation is None:
+    if val_rows is None:
         return env, None
-    val_rows = load_rows(cfg.data, "validation")
     val_env = build_environment(cfg, val_rows)
     size = min(len(val_rows), cfg.data.validation_size or len(val_rows))
     check_prompts(cfg, val_env, plan, rows=size, warm_start=False)
@@ -159,10 +165,12 @@ def check_data(cfg: JobConfig, plan: ModelPlan) -> tuple[Any, Any]:
 
 def preflight(cfg: JobConfig, plan: ModelPlan | None = None) -> Any:
     """Run every check; return the built environment (the job reuses it)."""
+    # The dataset first: a bad row is the commonest mistake, and finding it needs no model.
+    data = load_data(cfg) if cfg.data.train is not None else None
     plan = plan or plan_model(cfg)   # the model and tokenizer first: the prompts need them
     check_judge_class(cfg.judge.cls, dict(cfg.judge.kwargs))
-    if cfg.data.train is not None:
-        return check_data(cfg, plan)[0]
+    if data is not None:
+        return check_data(cfg, plan, *data)[0]
     env = build_environment(cfg)
     check_prompts(cfg, env, plan)
     return env
