@@ -27,6 +27,11 @@ engine resumed it (up to float32 rounding of the logits, which moves a sampled t
 
 Every method runs under ``torch.inference_mode()`` itself, because inference mode is
 thread-local and the engine calls these methods from a worker thread.
+
+The batch's tensors live where torch's default device puts them (the model's inputs are
+made with no device), and logits are copied to the host only for sampling, so a caller that
+sets ``torch.set_default_device("cuda")`` before building the model decodes on the GPU
+(``bench/gpu/hf_smoke.py``); the engine actor runs on the CPU.
 """
 
 from __future__ import annotations
@@ -244,7 +249,7 @@ class DecodeBatch:
         """Record each row's next token: sampled from its pending logits, or the token a
         rejected draft's verification already chose (``Sequence.forced``)."""
         assert self._next_logits is not None
-        logits = self._next_logits.to(torch.float64).numpy()
+        logits = self._next_logits.to(torch.float64).cpu().numpy()
         tokens, logprobs = self._sample(logits, self.rows, [s.position for s in self.rows])
         for i, seq in enumerate(self.rows):
             if seq.forced is not None:
@@ -300,7 +305,7 @@ class DecodeBatch:
         draft_logits: list[np.ndarray] = []
         for j in range(k):
             h, q = self.model.draft_step(j, h, token)
-            q64 = q.to(torch.float64).numpy()
+            q64 = q.to(torch.float64).cpu().numpy()
             draft_logits.append(q64)
             if verify == "coupled":   # the draw plain decoding makes at that position
                 drawn = self._sample(q64, self.rows, [s.position + j for s in self.rows])[0]
@@ -316,7 +321,7 @@ class DecodeBatch:
         positions = (base + torch.arange(k + 1)[None, :]).clamp(max=cfg.max_seq_len - 1)
         mask = torch.cat([self._mask, self._mask.new_ones((len(self.rows), k + 1))], dim=1)
         hidden, self._cache = self.model.hidden(fed, positions, mask, self._cache)
-        p64 = self.model.head(hidden).to(torch.float64).numpy()
+        p64 = self.model.head(hidden).to(torch.float64).cpu().numpy()
         if verify == "coupled":
             return finished + self._accept_coupled(k, drafts, budgets, p64, hidden, mask)
         keep = []
