@@ -5,11 +5,25 @@ ready_timeout_s=...), deadlines={"decode_step": ...})``.  It implements
 :class:`erlay.actors.engine.api.EngineProtocol`, like
 :class:`erlay.actors.engine.torch_engine.TorchEngine`.
 
-The model: by default erlay's policy, written as a Hugging Face GPT-2 directory (see
-:mod:`erlay.actors.model.hf_export`) from ``initial_state`` or from the same seeded initialisation
-the learner uses, so learner and engine start from the same weights.  ``model_dir`` serves an
-existing GPT-2 directory instead (a real checkpoint on GPU).  Prompts are token ids
-(``skip_tokenizer_init``): erlay tokenizes.
+The model, always starting from the weights the learner starts from:
+
+- **an HF model** (``model_config`` has ``hf``, see :mod:`erlay.actors.model.build`): vLLM
+  serves that directory itself when it has weights and the job loads them (``init:
+  pretrained``).  With ``init: random``, a directory without weights, or an
+  ``initial_state``, the engine builds the same seeded policy the learner builds and serves
+  it from a staged copy (:func:`erlay.actors.model.export.write_served_dir`).  Weight updates
+  carry the HF model's own names (``HFPolicy.engine_state``: LoRA merged in), which vLLM's
+  ``load_weights`` takes as they are; erlay's ``mtp.*`` draft heads are dropped.
+- **the built-in model**: erlay's policy, written as a Hugging Face GPT-2 directory (see
+  :mod:`erlay.actors.model.hf_export`) from ``initial_state`` or from the same seeded
+  initialisation the learner uses; its weight updates are renamed to GPT-2's names.
+  ``model_dir`` serves an existing GPT-2 directory instead (the built-in model only).
+
+Prompts are token ids (``skip_tokenizer_init``): erlay tokenizes.  ``speculative_config`` is
+vLLM's, passed through as it is: n-gram drafting, or an architecture's native MTP layers
+(``{"method": "mtp", ...}`` for DeepSeek-V3, Qwen3-Next, ...), which vLLM loads from the
+served directory; weight updates do not reach those layers (the learner's HF model has none),
+so their drafts age as the policy trains, which costs acceptance, never correctness.
 
 Contracts (beyond :mod:`erlay.actors.engine.api`):
 
@@ -70,6 +84,7 @@ from erlay.actors.engine.api import (
     drain_chunks,
 )
 from erlay.actors.engine.core import validate_request
+from erlay.actors.model.build import is_hf
 from erlay.actors.model.hf_export import hf_state, read_model_dir, write_model_dir
 from erlay.supervisor.procs import OwnGroup
 from erlay.supervisor.progress import Progress
@@ -120,6 +135,11 @@ class VllmEngine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model_config = dict(model_config)
+        self._hf = is_hf(self.model_config)
+        if self._hf and model_dir is not None:
+            raise ValueError("model_dir serves the built-in model's GPT-2 directory; an HF "
+                             "model is served from its own directory (model.hf)")
+        self._vocab = 0   # known once started
         self.max_batch = max_batch
         self.seed = seed
         self.model_dir = model_dir
@@ -163,9 +183,13 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self._stage = tempfile.mkdtemp(prefix="erlay-vllm-", dir=staging_dir())
-        model_dir = self.model_dir or await asyncio.to_thread(self._write_policy)
-        _, state = await asyncio.to_thread(read_model_dir, model_dir)
-        self._shapes = {k: tuple(v.shape) for k, v in state.items()}
+        if self._hf:
+            model_dir = await asyncio.to_thread(self._prepare_hf)
+        else:
+            model_dir = self.model_dir or await asyncio.to_thread(self._write_policy)
+            _, state = await asyncio.to_thread(read_model_dir, model_dir)
+            self._shapes = {k: tuple(v.shape) for k, v in state.items()}
+            self._vocab = int(self.model_config["vocab_size"])
         self._llm = await asyncio.to_thread(self._start_vllm, model_dir)
         self._watch = asyncio.get_running_loop().create_task(self._watch_engine(),
                                                              name="vllm-watch")
@@ -237,7 +261,8 @@ class VllmEngine:
         return True
 
     async def update_weights(self, version: int, state: dict[str, Any]) -> int:
-        """Serve ``state`` (erlay names) as ``version``; returns the version served."""
+        """Serve ``state`` (``publish_state``'s output: HF names for an HF model, erlay's for
+        the built-in one) as ``version``; returns the version served."""
         self._raise_if_failed()
         self._check_state(state)
         async with self._update_lock:
@@ -245,7 +270,7 @@ class VllmEngine:
             self._open.clear()
             try:
                 path = os.path.join(self._stage or staging_dir(), f"weights-v{version}.st")
-                await asyncio.to_thread(_stage_weights, path, state)
+                await asyncio.to_thread(_stage_weights, path, state, self._hf)
                 cut = [r for r in self._requests.values() if r.segment and not r.done]
                 for req in cut:
                     req.cut = True
@@ -306,12 +331,38 @@ class VllmEngine:
         return str(write_model_dir(os.path.join(self._stage, "model"), self.model_config,
                                    state))
 
+    def _prepare_hf(self) -> str:
+        """The directory vLLM serves for an HF model (module docstring); sets the served
+        shapes and vocabulary."""
+        from erlay.actors.model.build import build_policy, load_engine_state
+        from erlay.actors.model.export import served_shapes, write_served_dir
+        from erlay.actors.model.hf import has_weights, load_hf_config, resolve_model
+
+        spec = self.model_config
+        source = resolve_model(spec["hf"])
+        pretrained = spec.get("init", "pretrained") == "pretrained" and has_weights(source)
+        if pretrained and self._initial_state is None:
+            self._shapes = served_shapes(spec)
+            served = str(source)
+        else:
+            policy = build_policy(spec, seed=self.seed, for_engine=True)
+            if self._initial_state is not None:   # publish_state's output, mtp.* included
+                load_engine_state(policy, self._initial_state)
+            self._shapes = {k: tuple(v.shape) for k, v in policy.lm.state_dict().items()}
+            assert self._stage is not None
+            served = str(write_served_dir(policy, source, os.path.join(self._stage, "model")))
+        config = load_hf_config(source, bool(spec.get("trust_remote_code", False)))
+        self._vocab = int(getattr(config, "text_config", config).vocab_size)
+        return served
+
     def _start_vllm(self, model_dir: str) -> Any:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        dtype = self.model_config.get("dtype", "float32") if self._hf else "float32"
         kwargs: dict[str, Any] = dict(
-            model=model_dir, skip_tokenizer_init=True, dtype="float32",
+            model=model_dir, skip_tokenizer_init=True, dtype=dtype,
+            trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
             max_model_len=int(self.model_config.get("max_seq_len", 96)),
             max_num_seqs=self.max_batch, worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs", seed=self.seed, enforce_eager=True,
@@ -325,7 +376,7 @@ class VllmEngine:
 
     def _validate(self, request: GenerationRequest) -> None:
         self._raise_if_failed()
-        validate_request(request, int(self.model_config["vocab_size"]),
+        validate_request(request, self._vocab,
                          int(self.model_config.get("max_seq_len", 96)))
         if request.request_id in self._requests:
             raise InvalidRequest(f"request {request.request_id} is already being generated")
@@ -510,11 +561,15 @@ def _engine_core(workers: list[dict[str, Any]]) -> int | None:
     return worker if parent == os.getpid() else parent
 
 
-def _stage_weights(path: str, state: dict[str, Any]) -> None:
+def _stage_weights(path: str, state: dict[str, Any], hf: bool) -> None:
+    """Write ``state`` for the workers' ``load_weights``: an HF model's names as they are
+    (without erlay's ``mtp.*`` heads, which vLLM does not serve), the built-in model's
+    renamed to GPT-2's."""
     from safetensors.numpy import save_file
 
-    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in hf_state(state).items()}
-    save_file(tensors, path)
+    named = {k: v for k, v in state.items() if not k.startswith("mtp.")} if hf \
+        else hf_state(state)
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in named.items()}, path)
 
 
 def _on_cpu() -> bool:

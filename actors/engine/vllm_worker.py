@@ -18,8 +18,9 @@ class ErlayWorkerExtension:
     """Mixed into vLLM's ``Worker``: ``self.model_runner`` is the worker's model runner."""
 
     def erlay_load_weights(self, path: str) -> int:
-        """Load the safetensors file at ``path`` (HF GPT-2 names) into the served model in
-        place; returns the number of tensors loaded.
+        """Load the safetensors file at ``path`` (the served checkpoint's own names: the HF
+        model's, or GPT-2's for erlay's built-in model) into the served model in place;
+        returns the number of tensors loaded.
 
         The weights travel as a file staged by the engine actor on the same node (in
         ``/dev/shm`` where it exists), not inside the RPC: vLLM's IPC is meant for small

@@ -9,7 +9,9 @@ bad model in one line, exit 2, before Ray starts:
 - a model path that does not exist, or a hub id that is not in the local HF cache;
 - a directory with no usable tokenizer, or a tokenizer without EOS;
 - ``data.chat: true`` with a tokenizer that has no chat template;
-- a tokenizer whose ids do not fit the model's vocabulary.
+- a tokenizer whose ids do not fit the model's vocabulary;
+- for the vllm backend: a head size vLLM's CPU attention does not support (below 32), or
+  ``engine.vllm.model_dir`` (the built-in model's GPT-2 directory) beside ``model.hf``.
 
 May import: erlay.supervisor, erlay.actors.config, erlay.actors.model.
 """
@@ -68,9 +70,26 @@ def plan_model(cfg: JobConfig) -> ModelPlan:
     if vocab and tok.vocab_size > vocab:
         raise ConfigError(f"model.hf: the tokenizer has {tok.vocab_size} tokens but the model's "
                           f"vocabulary is {vocab}")
+    _check_vllm(cfg, text, path.name)
     seq_len = min(limit, m.max_seq_len or limit)
     spec = {"hf": str(path), "init": m.init, "dtype": m.dtype,
             "trust_remote_code": m.trust_remote_code,
             "lora": m.lora.model_dump() if m.lora else None, "mtp_heads": m.mtp_heads,
             "max_seq_len": seq_len}
     return ModelPlan(spec, tok, seq_len)
+
+
+def _check_vllm(cfg: JobConfig, text: Any, name: str) -> None:
+    """The vllm backend's limits on an HF model, said before its ~30 s start would."""
+    if cfg.engine.backend != "vllm":
+        return
+    if cfg.engine.vllm.model_dir is not None:
+        raise ConfigError("engine.vllm.model_dir: serves the built-in model's GPT-2 directory; "
+                          "with model.hf the engines serve that model, drop model_dir")
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    head = getattr(text, "head_dim", None) or (
+        int(getattr(text, "hidden_size", 0) or 0) // heads if heads else None)
+    if head is not None and int(head) < 32:
+        raise ConfigError(f"engine.backend vllm needs a head size of at least 32 (vLLM's CPU "
+                          f"attention supports 32, 64, 80, 96, 112, 128, ...); {name} has "
+                          f"{head}")

@@ -2,8 +2,8 @@
 get peft's merge, and a run's checkpoint exports as an HF directory (merged, or the adapter
 alone) that ``transformers`` and ``peft`` load and that reproduces the learner's logits.
 
-The run directories here are made in-process (a config.yaml and a checkpoint written by a
-:class:`LearnerCore` after a train step), which is what ``erlay run`` leaves behind.
+The run directories are made in-process (:mod:`tests.actors.job.hf_runs`): what ``erlay
+run`` leaves behind, without running a job.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,65 +23,14 @@ from erlay.actors.config import load_config
 from erlay.actors.job.export import ExportError, export_run
 from erlay.actors.job.modelplan import plan_model
 from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
-from erlay.actors.learner.core import LearnerCore, TrainBatch
+from erlay.actors.learner.core import LearnerCore
 from erlay.actors.model.build import build_policy, load_engine_state
-from erlay.actors.model.export import served_shapes, write_served_dir
+from erlay.actors.model.export import served_shapes
 from erlay.actors.model.policy import sequence_logprobs
 from erlay.actors.model.tiny import write_tiny_model
 from erlay.actors.model.tokens import HFTokenizer
+from tests.actors.job.hf_runs import ANSWERS, LORA, PROMPTS, SHAPE, Run, make_run
 from tests.paths import REPO
-
-# head size 32 (hidden 64, 2 heads): vLLM's CPU attention serves it, so the vLLM lane
-# (tests/actors/engine/test_vllm_hf.py) reuses these helpers.
-SHAPE: dict[str, Any] = {"hidden": 64, "layers": 2, "heads": 2, "ffn": 128, "max_positions": 64}
-LORA = "{r: 4, alpha: 8, dropout: 0.0, target_modules: [q_proj, v_proj, down_proj]}"
-PROMPTS = ["3+4=", "12+9=", "5*6=", "8-2="]
-ANSWERS = [["7", "8"], ["21", "12"], ["30", "11"], ["6", "4"]]
-
-
-@dataclass
-class Run:
-    """A run directory and the learner that wrote its checkpoints."""
-
-    path: Path
-    source: Path          # the model directory the run trained from
-    core: LearnerCore
-    tok: HFTokenizer
-    weights: dict[int, dict[str, Any]]   # the learner's publish_state at each saved step
-
-
-def batch_for(core: LearnerCore, tok: HFTokenizer) -> TrainBatch:
-    """Four groups of two as if sampled by ``core``: right answer rewarded, wrong one not."""
-    prompt_ids = [tok.encode(p, bos=True) for p in PROMPTS for _ in range(2)]
-    completion_ids = [tok.encode(c, eos=True) for group in ANSWERS for c in group]
-    v = core.version()
-    return TrainBatch(prompt_ids=prompt_ids, completion_ids=completion_ids,
-                      behaviour_logprobs=core.evaluate_logprobs(prompt_ids, completion_ids),
-                      versions=[[v] * len(c) for c in completion_ids], rewards=[1.0, 0.0] * 4,
-                      group_size=2, rollout_ids=[f"r-{i}" for i in range(8)])
-
-
-def make_run(root: Path, arch: str = "llama", *, lora: bool = True, steps: int = 2,
-             overrides: tuple[str, ...] = ()) -> Run:
-    """A run directory as ``erlay run`` leaves it: its config.yaml and one checkpoint per
-    train step of a learner built from the job's model plan."""
-    source = write_tiny_model(root / f"{arch}-model", arch, seed=0, **SHAPE)
-    cfg = load_config(REPO / "configs" / "cpu.yaml", [
-        f"model.hf={source}", "model.init=pretrained",
-        *([f"model.lora={LORA}"] if lora else []), *overrides])
-    run = root / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "config.yaml").write_text(cfg.to_yaml())
-    plan = plan_model(cfg)
-    core = LearnerCore(plan.spec, lr=2e-2, seed=cfg.run.seed)
-    tok = plan.tokenizer
-    weights = {}
-    for _ in range(steps):
-        core.train_step(batch_for(core, tok))
-        step = core.status()["step"]
-        write_checkpoint_dir(run / "checkpoints" / step_dir_name(step), step, core.state(), {})
-        weights[step] = core.weights()
-    return Run(run, source, core, tok, weights)
 
 
 @pytest.fixture(scope="module")
@@ -258,21 +206,35 @@ def test_the_builtin_model_exports_its_gpt2_directory(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ what vLLM engines serve
-def test_the_served_directory_holds_the_learners_seeded_initial_weights(tmp_path: Path) -> None:
-    """With init: random the vllm engine serves a staged directory of the same seeded
-    weights the learner starts from (a different seed gives other weights)."""
+def test_the_vllm_engine_serves_the_learners_seeded_initial_weights(tmp_path: Path) -> None:
+    """With init: random (here a directory without weights) the vllm engine serves a staged
+    directory of the same seeded weights the learner starts from (another seed gives other
+    weights); with weights and init: pretrained it serves the directory itself.  vLLM is not
+    started: this is the directory it would be given."""
     from transformers import AutoModelForCausalLM
+
+    from erlay.actors.engine.vllm_engine import VllmEngine
     source = write_tiny_model(tmp_path / "src", "llama", weights=False, **SHAPE)
     spec = plan_model(load_config(REPO / "configs" / "cpu.yaml", [
         f"model.hf={source}", "model.init=random", f"model.lora={LORA}"])).spec
     learner = LearnerCore(spec, seed=5).weights()
     for seed, same in ((5, True), (6, False)):
-        out = write_served_dir(build_policy(spec, seed=seed, for_engine=True), source,
-                               tmp_path / f"served-{seed}")
-        assert not any(out.glob("tokenizer*"))
-        served = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).state_dict()
+        engine = VllmEngine(spec, seed=seed)
+        engine._stage = str(tmp_path / f"stage-{seed}")
+        served_dir = Path(engine._prepare_hf())
+        assert served_dir.parent == tmp_path / f"stage-{seed}"
+        assert not any(served_dir.glob("tokenizer*"))
+        served = AutoModelForCausalLM.from_pretrained(served_dir,
+                                                      local_files_only=True).state_dict()
         assert all(torch.equal(served[k], torch.from_numpy(learner[k])) for k in served) is same
-    assert served_shapes(spec) == {k: tuple(v.shape) for k, v in served.items()}
+        assert engine._shapes == {k: tuple(v.shape) for k, v in served.items()}
+        assert engine._vocab == learner["lm_head.weight"].shape[0]
+    pretrained = write_tiny_model(tmp_path / "with-weights", "qwen2", **SHAPE)
+    engine = VllmEngine({**spec, "hf": str(pretrained), "init": "pretrained"})
+    engine._stage = str(tmp_path / "stage-pretrained")
+    assert Path(engine._prepare_hf()) == pretrained.resolve()
+    assert engine._shapes == served_shapes({"hf": str(pretrained)})
+    assert "model.layers.1.mlp.down_proj.weight" in engine._shapes
 
 
 def test_logprobs_of_the_exported_model_match_the_learners_scoring(lora_run: Run,
