@@ -169,6 +169,8 @@ class Job:
     # -------------------------------------------------------------------- the tree
     def model_config(self) -> dict[str, Any]:
         model_dir = self.cfg.engine.vllm.model_dir
+        # model_dir is the built-in model's (the plan refuses it beside model.hf): an HF
+        # model's learner ranks and engines all load plan.spec's directory.
         if self.cfg.engine.backend == "vllm" and model_dir:
             # The served checkpoint fixes the policy's shape; the learner loads its weights.
             from erlay.actors.model.hf_export import read_model_dir

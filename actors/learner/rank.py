@@ -34,11 +34,12 @@ __all__ = ["Learner", "TrainBatch"]
 class Learner(LearnerCore):
     """One learner rank; see :class:`~erlay.actors.learner.core.LearnerCore` for the contracts.
 
-    With ``init_model_dir`` (a GPT-2 directory, see :mod:`erlay.actors.model.hf_export`) the policy
-    starts from its weights instead of the seeded initialisation.  With ``checkpoint_dir``, a new
-    incarnation restores the newest committed checkpoint
-    there before it serves (every rank loads the same one: one_for_all restarts them
-    together), and :meth:`save_checkpoint` saves asynchronously into it.
+    With ``init_model_dir`` (a GPT-2 directory, see :mod:`erlay.actors.model.hf_export`; the
+    built-in model only, for ``engine.vllm.model_dir``) the policy starts from its weights
+    instead of the seeded initialisation.  An HF model needs none: learner and engines load
+    ``model.hf``.  With ``checkpoint_dir``, a new incarnation restores the newest committed
+    checkpoint there before it serves (every rank loads the same one: one_for_all restarts
+    them together), and :meth:`save_checkpoint` saves asynchronously into it.
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
