@@ -4,6 +4,11 @@ Prints a table, then one JSON object as the last line.
 
     python bench/learning.py [--config configs/cpu.yaml] [override ...]
 
+Then runs the same task on the built-in model (``--builtin-config``, default
+``configs/cpu-builtin.yaml``) and reports its figures as ``builtin_*`` with the ratios
+``hf_over_builtin_learner_step`` and ``hf_over_builtin_samples_per_s``.  ``learner_step_s`` is
+the median RL step's train call (batch sent to new weights published).
+
 Also runs a short tool-use job in the same invocation, so the sandbox path is measured too
 (``tool_use_sandbox_calls``): the arithmetic default makes no tool calls.
 
@@ -111,10 +116,14 @@ def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
     rl_s = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"] if steps else 0.0
     samples = sum(m["samples"] for m in steps)
     tokens = sum(m["gen_tokens"] for m in steps)
+    train_s = sorted(m["train_s"] for m in steps if m.get("train_s") is not None)
     return {
         "reward_start": round(start, 4), "reward_end": round(end, 4), "steps": len(steps),
         "wall_s": round(wall_s, 1), "samples_per_s": round(samples / rl_s, 1),
         "gen_tokens_per_s": round(tokens / rl_s, 1),
+        # The learner's train call, from the batch sent to the new weights published: the
+        # median over RL steps.
+        "learner_step_s": round(train_s[len(train_s) // 2], 4) if train_s else None,
         "sandbox_calls": steps[-1]["sandbox_calls"] if steps else 0,
         **gen_train_overlap(steps),
     }
@@ -153,6 +162,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu.yaml"))
     parser.add_argument("--skip-tool-use", action="store_true")
+    parser.add_argument("--builtin-config", default=str(ROOT / "configs" / "cpu-builtin.yaml"),
+                        help="the same task on the built-in model, run after the main job "
+                        "for the HF/built-in ratios ('' skips it)")
     parser.add_argument("--overhead-pairs", type=int, default=3,
                         help="off/on job pairs for telemetry_overhead (0: skip)")
     parser.add_argument("overrides", nargs="*")
@@ -161,6 +173,18 @@ def main() -> None:
     parent = Path(tempfile.mkdtemp(prefix="erlay-bench-"))
     result, run_dir = run_job(Path(args.config), args.overrides, parent, "learning")
     out = figures(run_dir, result.wall_s)
+    out["model"] = load_config(Path(args.config), args.overrides).model.hf or "built-in"
+    if args.builtin_config:
+        result_b, builtin_dir = run_job(Path(args.builtin_config), args.overrides, parent,
+                                        "builtin")
+        builtin = figures(builtin_dir, result_b.wall_s)
+        for key in ("reward_start", "reward_end", "wall_s", "samples_per_s", "learner_step_s"):
+            out[f"builtin_{key}"] = builtin[key]
+        # HF default / built-in: above 1 for times means the HF model is slower.
+        out["hf_over_builtin_learner_step"] = round(out["learner_step_s"]
+                                                    / builtin["learner_step_s"], 3)
+        out["hf_over_builtin_samples_per_s"] = round(out["samples_per_s"]
+                                                     / builtin["samples_per_s"], 3)
     if not args.skip_tool_use:
         _, tool_dir = run_job(ROOT / "configs" / "tool_use.yaml", ["run.steps=5"], parent,
                               "tool-use")
