@@ -173,6 +173,10 @@ class LearnerSection(Section):
     minibatches: int = Field(1, ge=1, description="optimizer steps per RL step, each on a "
                              "contiguous slice of the batch")
     torch_threads: int = Field(1, ge=1, description="torch threads of each learner process")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where each "
+                        "rank keeps the model and computes: cpu, or cuda (the rank's GPU; set "
+                        "num_gpus so Ray gives it one)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per learner rank (Ray resource)")
     train_deadline_s: float = Field(300.0, gt=0, description="hang deadline of a train step")
     call_timeout_s: float = Field(900.0, gt=0, description="deadline of one call into the "
                                   "learner (a train step, a checkpoint, publishing weights); "

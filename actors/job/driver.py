@@ -219,6 +219,8 @@ class Job:
         opts: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
         declared = declared_env(cfg.node)  # hosts forward it to all they spawn
         master_port = free_port()
+        learner_opts = {**opts, "num_gpus": cfg.learner.num_gpus} if cfg.learner.num_gpus \
+            else opts
         learners = [ChildSpec(f"learner-{r}", ActorStart(Learner, args=(model,), kwargs=dict(
             lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
             max_grad_norm=cfg.learner.max_grad_norm, clip_eps=cfg.learner.clip_eps,
@@ -228,7 +230,8 @@ class Job:
             temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
             lr_min_ratio=cfg.learner.lr_min_ratio, mtp_loss_weight=cfg.learner.mtp_loss_weight,
             checkpoint_dir=str(self.run_dir.checkpoints), ledger_path=str(self.run_dir.ledger),
-            checkpoint_keep=cfg.checkpoint.keep, **self._learner_init()), options=opts),
+            checkpoint_keep=cfg.checkpoint.keep, device=cfg.learner.device,
+            **self._learner_init()), options=learner_opts),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]

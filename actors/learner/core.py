@@ -211,7 +211,7 @@ class LearnerCore:
                  master_addr: str = LOOPBACK, master_port: int = 29500,
                  dist_timeout_s: float = 120.0, temperature: float = 1.0,
                  lr_decay_steps: int = 0, lr_min_ratio: float = 0.1,
-                 mtp_loss_weight: float = 0.0) -> None:
+                 mtp_loss_weight: float = 0.0, device: str = "cpu") -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if minibatches < 1:
@@ -219,6 +219,11 @@ class LearnerCore:
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         random.seed(seed)
+        if device != "cpu":
+            # The rank's process is its own: every tensor it makes (batches, losses, the
+            # model) goes to the device; checkpoints and published weights are copied to the
+            # host where they are written or sent.
+            torch.set_default_device(device)
         self.model = build_policy(model_config, seed=seed)
         self.config = self.model.cfg
         self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
