@@ -24,9 +24,11 @@ Contracts every environment keeps:
   episode or observing when no tool call is pending raises :class:`EpisodeStateError`.
 - **Bounded.**  An episode ends within ``max_turns`` calls to ``step``: the step that would
   leave no turn for an answer ends it with a failure instead.
-- **Text stays in the tokenizer's alphabet.**  Prompts, observations and demonstrations use
-  only :data:`TEXT_ALPHABET` characters (printable ASCII, space and newline), the alphabet of
-  erlay's character tokenizer, so nothing the environment writes becomes an unknown token.
+- **Text stays in the tokenizer's alphabet.**  The built-in environments' prompts,
+  observations and demonstrations use only :data:`TEXT_ALPHABET` characters (printable ASCII,
+  space and newline), the alphabet of erlay's character tokenizers (the built-in model's, and
+  the CPU default's tiny Llama's), so nothing they write becomes an unknown token.  An HF
+  model's own tokenizer (BPE, byte-level) takes any text.
 
 A new environment is one class implementing :class:`Environment`, referenced from the job
 config as ``"module:Class"`` and built by :func:`load_environment`; no edit to erlay.
