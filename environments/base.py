@@ -26,9 +26,9 @@ Contracts every environment keeps:
   leave no turn for an answer ends it with a failure instead.
 - **Text stays in the tokenizer's alphabet.**  The built-in environments' prompts,
   observations and demonstrations use only :data:`TEXT_ALPHABET` characters (printable ASCII,
-  space and newline), the alphabet of erlay's character tokenizers (the built-in model's, and
-  the CPU default's tiny Llama's), so nothing they write becomes an unknown token.  An HF
-  model's own tokenizer (BPE, byte-level) takes any text.
+  space and newline), the alphabet of the built-in model's character tokenizer, so nothing
+  they write becomes an unknown token there.  An HF model's own tokenizer (the CPU default's
+  byte-level BPE included) takes any text.
 
 A new environment is one class implementing :class:`Environment`, referenced from the job
 config as ``"module:Class"`` and built by :func:`load_environment`; no edit to erlay.

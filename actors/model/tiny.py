@@ -12,8 +12,10 @@ fixtures of tests and benchmarks (nothing is ever downloaded).
   unless ``weights=False``, seeded random weights as safetensors) that
   ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load, and vLLM serves.
 
-``python -m erlay.actors.model.tiny OUT_DIR`` writes the CPU default's model directory (what
-``configs/models/tiny-llama`` ships; a test checks the shipped files are current).
+``python -m erlay.actors.model.tiny OUT_DIR --arch qwen2`` writes the CPU default's model
+directory, ``configs/models/tiny-qwen2`` (``--arch llama``: ``configs/models/tiny-llama``, which
+``configs/gsm8k-tiny.yaml`` uses); ``tests/actors/model/test_shipped_models.py`` checks that the
+shipped files are what this writes.
 """
 
 from __future__ import annotations

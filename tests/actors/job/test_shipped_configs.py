@@ -21,11 +21,11 @@ def test_shipped_configs_validate(name: str) -> None:
     assert cfg.run.steps >= 1
 
 
-def test_the_cpu_default_is_a_tiny_llama_from_the_shipped_directory() -> None:
+def test_the_cpu_default_is_a_tiny_qwen2_from_the_shipped_directory() -> None:
     cfg = load_config(CONFIGS / "cpu.yaml")
-    assert cfg.model.hf == str((CONFIGS / "models" / "tiny-llama").resolve())
+    assert cfg.model.hf == str((CONFIGS / "models" / "tiny-qwen2").resolve())
     assert (Path(cfg.model.hf) / "config.json").is_file() and cfg.model.init == "random"
-    assert '"model_type": "llama"' in (Path(cfg.model.hf) / "config.json").read_text()
+    assert '"model_type": "qwen2"' in (Path(cfg.model.hf) / "config.json").read_text()
 
 
 def test_the_gpu_config_puts_learner_and_engines_on_gpus() -> None:
