@@ -89,33 +89,48 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``erlay`` console script."""
+    """Entry point of the ``erlay`` console script.
+
+    ``erlay ... | head``: when the reader leaves, every command (and ``--help``) ends
+    quietly with 0, as a program that stops writing once its reader has what it wanted: no
+    BrokenPipe traceback, no "Exception ignored" at exit."""
     try:
-        commands = load_commands()
-    except CommandLoadError as exc:
-        print(f"erlay: {exc}", file=sys.stderr)
-        return 2
-    if not commands:
-        print("erlay: no commands are registered (entry-point group 'erlay.commands'); "
-              "erlay's install is incomplete: reinstall it with pip", file=sys.stderr)
-        return 2
-    parser = build_parser(commands)
-    args, extra = parser.parse_known_args(argv)
-    command = commands[args.command]
-    if extra:
-        if not command.takes_overrides or any("=" not in e or e.startswith("-") for e in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*getattr(args, "overrides", []), *extra]
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        logging.getLogger("erlay.supervisor").setLevel(logging.ERROR)
-    try:
-        return command.run(args)
+        return _dispatch(argv)
     except BrokenPipeError:
-        # `erlay ... | head`: the reader left.  End quietly, and point stdout at devnull so
-        # the interpreter's final flush does not raise again (the recipe of Python's
-        # signal docs; SIGPIPE stays ignored, because Ray's sockets must not kill us).
+        # Point stdout at devnull so the interpreter's final flush does not raise again
+        # (the recipe of Python's signal docs; SIGPIPE stays ignored, because Ray's sockets
+        # must not kill us).
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
+    try:
+        try:
+            commands = load_commands()
+        except CommandLoadError as exc:
+            print(f"erlay: {exc}", file=sys.stderr)
+            return 2
+        if not commands:
+            print("erlay: no commands are registered (entry-point group 'erlay.commands'); "
+                  "erlay's install is incomplete: reinstall it with pip", file=sys.stderr)
+            return 2
+        parser = build_parser(commands)
+        args, extra = parser.parse_known_args(argv)
+        command = commands[args.command]
+        if extra:
+            if not command.takes_overrides or any("=" not in e or e.startswith("-")
+                                                  for e in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = [*getattr(args, "overrides", []), *extra]
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if not args.verbose:
+            logging.getLogger("erlay.supervisor").setLevel(logging.ERROR)
+        return command.run(args)
+    finally:
+        # Flushed here, not at interpreter exit (argparse's --help exits too): a
+        # block-buffered stdout (a pipe) meets a reader that left only at this flush, and
+        # the exit-time flush would print "Exception ignored ... BrokenPipeError", exit 120.
+        sys.stdout.flush()
