@@ -35,7 +35,9 @@ class RunCommand:
         parser.add_argument("overrides", nargs="*", help="overrides such as learner.lr=3e-4")
         parser.add_argument("--address", help="Ray cluster to attach to (default: RAY_ADDRESS, "
                             "else a local loopback Ray)")
-        parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
+        parser.add_argument("--no-progress", action="store_true", help="no live progress bar: "
+                            "one log line per RL step instead (step, reward, tokens/s, "
+                            "restarts), for cluster logs")
         parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR "
                             "(killed, even by SIGKILL) from its last checkpoint and its "
                             "journal; CONFIG is then the run's own config.yaml, and overrides "
@@ -75,6 +77,9 @@ class RunCommand:
         if not args.resume:
             run_dir = RunDir.create(cfg.run.run_dir, cfg.run.name)
         print(f"erlay: {'resuming' if args.resume else 'run directory'} {run_dir.path}")
+        if args.no_progress:  # the per-step lines take the bar's place, on stderr
+            import logging
+            logging.getLogger("erlay.progress").setLevel(logging.INFO)
         job = Job(cfg, run_dir)
         result = job.run(progress=not args.no_progress,
                          on_start=lambda tree: print(tree.render(), flush=True))

@@ -47,6 +47,8 @@ from erlay.supervisor.spec import (
 from erlay.supervisor.tree import SupervisionTree
 
 log = logging.getLogger("erlay.job")
+progress_log = logging.getLogger("erlay.progress")
+"""One INFO line per RL step when there is no progress bar (``erlay run --no-progress``)."""
 ROOT = "erlay"
 
 
@@ -85,6 +87,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def step_line(record: dict[str, Any], total: int) -> str:
+    """The progress line of one RL step record: step (1-based, of ``total``), mean reward
+    (``-`` when no sample was judged), generated tokens per second (the step's own rate,
+    else its tokens over its ``step_s``) and the restarts so far in this run."""
+    mean = record.get("reward_mean")
+    rate = record.get("tokens_per_s")
+    if rate is None:
+        step_s = float(record.get("step_s") or 0.0)
+        rate = record.get("gen_tokens", 0) / step_s if step_s > 0 else None
+    return (f"step {int(record['step']) + 1}/{total} "
+            f"reward {'-' if mean is None else f'{mean:.3f}'} "
+            f"tokens/s {'-' if rate is None else f'{rate:.0f}'} "
+            f"restarts {record.get('restarts', 0)}")
 
 
 class RestartCounter:
@@ -409,8 +426,9 @@ class Job:
             self.journal.close()
 
     def _follow(self, tree: SupervisionTree, progress: bool) -> str | None:
-        """Drain metrics into a progress bar until the tree ends.  Returns why the job is
-        stalled, when no metrics came for ``run.stall_timeout_s`` (else None)."""
+        """Drain metrics into a progress bar (without ``progress``: one :func:`step_line` per
+        RL step, logged at INFO by ``erlay.progress``) until the tree ends.  Returns why the
+        job is stalled, when no metrics came for ``run.stall_timeout_s`` (else None)."""
         bar = None
         if progress:
             from tqdm import tqdm
@@ -429,7 +447,10 @@ class Job:
                         return self._stall_reason(silent)
                     continue
                 heard = time.monotonic()
-                if record.get("phase") != "rl" or bar is None:
+                if record.get("phase") != "rl":
+                    continue
+                if bar is None:  # --no-progress: a cluster log needs one line per step
+                    progress_log.info("%s", step_line(record, self.cfg.run.steps))
                     continue
                 now = time.time()
                 samples = record["samples"]
