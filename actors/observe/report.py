@@ -46,6 +46,7 @@ from erlay.actors.observe.attribution import (
     step_windows,
     time_lost,
 )
+from erlay.actors.observe.figures import throughput_plan, throughput_title
 from erlay.actors.rundir import RunDir, reward_window
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.events import EventKind, SupervisorEvent
@@ -308,23 +309,31 @@ def _rate(record: dict[str, Any], rate_key: str, count_key: str,
 
 
 def plot_throughput(data: RunData, analysis: Analysis, dest: Path) -> str | None:
+    """Samples/s and tokens/s per RL step, as :func:`~erlay.actors.observe.figures.
+    throughput_plan` decides: raw faint, rolling mean on top, failures only if any."""
     if not analysis.windows:
         return "No RL step recorded: no throughput figure."
     plt = _pyplot()
     fig, axes = plt.subplots(2, 1, figsize=(7, 4.5), sharex=True)
     pairs = list(zip(data.rl, analysis.windows, strict=True))
+    failure_x = [analysis.at(f.time) for f in analysis.failures]
     for ax, (rate, count, label) in zip(axes, (("rollouts_per_s", "samples", "samples/s"),
                                                ("tokens_per_s", "gen_tokens", "tokens/s")),
                                         strict=True):
-        points = [(w.end, r) for m, w in pairs if (r := _rate(m, rate, count, w)) is not None]
-        if points:
-            # A rate holds over its step's window, which ends at the point.
-            ax.plot(*zip(*points, strict=True), marker=".", lw=1.2, drawstyle="steps-pre")
-        for failure in analysis.failures:
-            ax.axvline(analysis.at(failure.time), color="tab:red", ls="--", lw=0.8, alpha=0.6)
+        # A rate holds over its step's window, which ends at the point.
+        plan = throughput_plan([(w.end, r) for m, w in pairs
+                                if (r := _rate(m, rate, count, w)) is not None], failure_x)
+        if plan.raw:
+            ax.plot(*zip(*plan.raw, strict=True), lw=0.8, alpha=0.35, color="tab:blue",
+                    drawstyle="steps-pre")
+            ax.plot(*zip(*plan.smooth, strict=True), lw=1.6, color="tab:blue")
+        for x in plan.failures:
+            ax.axvline(x, color="tab:red", ls="--", lw=0.8, alpha=0.6)
+        if plan.legend:  # labels the lines in drawing order: raw, mean, first failure
+            ax.legend(plan.legend, fontsize=7, loc="lower right")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].set_title("Throughput per RL step (dashed: failures)")
+    axes[0].set_title(throughput_title(len(analysis.failures)))
     axes[1].set_xlabel("seconds since the job start")
     _save(fig, dest)
     return None
