@@ -11,7 +11,8 @@
         journal/, checkpoints/   the rollout journal and the learner's checkpoints
         report/          ``erlay report``'s Markdown and plots, when asked for
 
-May import: erlay.supervisor, erlay.actors.observe.goodput (pure: goodput's one definition).
+May import: erlay.supervisor, erlay.actors.observe.goodput (pure: goodput's one definition),
+erlay.actors.observe.timing (pure: wall, outage and RL time across --resume).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.observe.goodput import not_trained, trained_tokens
+from erlay.actors.observe.timing import RunTiming, run_timing, split_segments
 from erlay.supervisor.events import EventKind, read_events
 
 
@@ -140,8 +142,15 @@ class RunDir:
         plt.close(fig)
         return self.reward_plot
 
-    def write_summary(self, status: str, wall_s: float, detail: str = "") -> str:
-        steps = self.rl_steps()
+    def write_summary(self, status: str, wall_s: float, detail: str = "",
+                      started_at: float | None = None) -> str:
+        """Write summary.md as the driver that started at ``started_at`` (unix; the
+        ``started_at`` of its metrics records) ends after ``wall_s`` seconds.  After a
+        ``--resume`` the wall time is the whole run's, outages included, and the throughput
+        is over the RL time of every driver run (:mod:`erlay.actors.observe.timing`)."""
+        records = self.read_metrics()
+        steps = [m for m in records if m.get("phase") == "rl"]
+        timing = run_timing(records, wall_s, started_at)
         # The mean reward of judged samples: a step whose every sample failed has none.
         rewards = [m["reward_mean"] for m in steps if m.get("reward_mean") is not None]
         start, end = reward_window(rewards)
@@ -154,14 +163,14 @@ class RunDir:
         lines = [f"# {self.path.name}", "", f"- status: **{status}**"]
         if detail:
             lines.append(f"- detail: {detail}")
-        lines += [f"- RL steps: {len(steps)}", f"- wall time: {wall_s:.1f} s",
+        lines += [f"- RL steps: {len(steps)}", *_time_lines(timing),
                   f"- reward: {start:.3f} (first 10% of steps) -> {end:.3f} (last 10%)",
-                  f"- samples: {samples} ({samples / wall_s:.1f}/s)" if wall_s else "",
-                  f"- generated tokens: {tokens}",
+                  f"- samples: {samples}" + _rate(samples, timing.rl_s, "/s"),
+                  f"- generated tokens: {tokens}" + _rate(tokens, timing.rl_s, " tokens/s"),
                   f"- trained tokens: {trained_tokens(steps)} (each RL step once)",
                   f"- samples not trained: {sum(dropped.values())} ("
                   + ", ".join(f"{kind} {n}" for kind, n in dropped.items()) + ")",
-                  f"- sandbox calls: {steps[-1]['sandbox_calls'] if steps else 0}",
+                  f"- sandbox calls: {_sandbox_calls(records)}",
                   f"- restarts: {sum(restarts.values())}"]
         if restarts:
             lines += ["", "| domain | restarts |", "|---|---|"]
@@ -171,6 +180,33 @@ class RunDir:
         text = "\n".join(line for line in lines if line is not None) + "\n"
         self.summary.write_text(text, encoding="utf-8")
         return text
+
+
+def _time_lines(timing: RunTiming) -> list[str]:
+    """Wall time (the whole run's, across resumes), the outage, and the RL time."""
+    wall = f"- wall time: {timing.wall_s:.1f} s"
+    if not timing.resumed:
+        return [wall, f"- RL time: {timing.rl_s:.1f} s (the sum of the RL step windows)"]
+    runs = ", ".join(f"{s.wall_s:.1f} s" for s in timing.segments)
+    return [wall + f" ({len(timing.segments)} driver runs: {runs}; and the outage)",
+            f"- time lost to the outage: {timing.outage_s:.1f} s (from the last record "
+            f"before each --resume to the resumed driver's start; {timing.resumed} "
+            "resume(s))",
+            f"- RL time: {timing.rl_s:.1f} s (the sum of the RL step windows of every "
+            "driver run)"]
+
+
+def _sandbox_calls(records: list[dict[str, Any]]) -> int:
+    """Each driver run counts its sandbox calls from 0: the last RL record of each."""
+    total = 0
+    for segment in split_segments(records):
+        rl = [m for m in segment if m.get("phase") == "rl"]
+        total += int(rl[-1].get("sandbox_calls") or 0) if rl else 0
+    return total
+
+
+def _rate(count: float, rl_s: float, unit: str) -> str:
+    return f" ({count / rl_s:.1f}{unit} over the RL time)" if rl_s > 0 else ""
 
 
 def _domain(supervisor_path: str) -> str:

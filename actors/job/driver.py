@@ -399,7 +399,10 @@ class Job:
     def _end(self, result: JobResult) -> JobResult:
         self._close()
         self.run_dir.plot_rewards()
-        self.run_dir.write_summary(result.status, result.wall_s, result.reason)
+        # The summary's wall time runs from this driver's start (its records' started_at),
+        # Ray's start-up included, so that a resumed run's segments and outages add up.
+        self.run_dir.write_summary(result.status, time.time() - self._t0, result.reason,
+                                   started_at=self._t0)
         self._append_attribution()
         return result
 

@@ -14,7 +14,8 @@ restates:
   (supervisor path and child id).  A failure with no later start was not restarted before
   the run ended; it is counted apart and left out of mean recovery times.
 - Its *time lost*: an RL step's window is the wall time since the previous RL step was
-  recorded (the first step's window is its own ``step_s``).  A step whose window holds
+  recorded (the first step's window, and the first of a ``--resume``d driver run, is its own
+  ``step_s``: no window spans an outage).  A step whose window holds
   failures cost the excess of its window over the median window of the steps that hold
   none (clipped at 0); the excess is split equally among its failures.  Failures outside
   every RL step window cost nothing here.  Percentages are of the total RL wall time (the
@@ -197,10 +198,13 @@ def step_windows(rl: Sequence[Mapping[str, Any]], start: float | None) -> list[S
     """Each RL record's window in seconds since the job start ``start``.
 
     A record carrying its own ``started_at`` (a resumed segment) is shifted onto ``start``.
-    A step starts where the previous one was recorded; the first step, and one whose time
-    goes backwards (a resume without ``started_at``), starts ``step_s`` before its end."""
+    A step starts where the previous one was recorded; the first step, the first of a
+    resumed driver run (another ``started_at``: no window spans the outage between two
+    runs), and one whose time goes backwards (a resume without ``started_at``), start
+    ``step_s`` before their end."""
     out: list[StepWindow] = []
     prev: float | None = None
+    prev_own: float | None = None
     for record in rl:
         end = _num(record.get("time"))
         if end is None:
@@ -209,10 +213,11 @@ def step_windows(rl: Sequence[Mapping[str, Any]], start: float | None) -> list[S
         if own is not None and start is not None:
             end += own - start
         step_s = max(0.0, _num(record.get("step_s")) or 0.0)
-        begin = prev if prev is not None and prev < end else end - step_s
+        same_run = own is None or prev_own is None or own == prev_own
+        begin = prev if prev is not None and prev < end and same_run else end - step_s
         step = record.get("step")
         out.append(StepWindow(step if isinstance(step, int) else len(out), begin, end))
-        prev = end
+        prev, prev_own = end, own if own is not None else prev_own
     return out
 
 

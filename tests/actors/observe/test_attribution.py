@@ -124,9 +124,13 @@ def test_a_step_window_runs_from_the_previous_step_the_first_from_its_step_s() -
     assert windows == [StepWindow(0, 8.5, 10), StepWindow(1, 10, 11), StepWindow(2, 11, 15)]
 
 
-def test_a_resumed_segment_is_shifted_by_its_own_started_at() -> None:
-    records = [rl(10, 0, started_at=T0), rl(5, 1, started_at=T0 + 100)]
-    assert [(w.start, w.end) for w in step_windows(records, T0)] == [(9, 10), (10, 105)]
+def test_a_resumed_segment_is_shifted_by_its_own_started_at_and_skips_the_outage() -> None:
+    # The driver died after step 0 (at 10 s) and was resumed at 100 s: step 1's window is
+    # its own step_s, not the 95 s outage before it.
+    records = [rl(10, 0, started_at=T0), rl(5, 1, started_at=T0 + 100),
+               rl(7, 2, started_at=T0 + 100)]
+    assert [(w.start, w.end) for w in step_windows(records, T0)] == [(9, 10), (104, 105),
+                                                                     (105, 107)]
 
 
 def test_time_going_backwards_without_started_at_falls_back_to_step_s() -> None:
