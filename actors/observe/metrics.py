@@ -60,6 +60,36 @@ TOKENS_PER_S = "erlay_tokens_per_second"
 EXPORT_PREFIX = "ray_"
 """What Ray 2.60 puts in front of an application metric's name in the Prometheus output."""
 
+COUNTERS = {"rollouts": ROLLOUTS, "tokens": TOKENS, "restarts": RESTARTS,
+            "sandbox_outcomes": SANDBOX_OUTCOMES, "judge_failures": JUDGE_FAILURES,
+            "time_lost": TIME_LOST}
+"""Each counter instrument's Prometheus name (without the prefix)."""
+
+# The closed label sets each counter is exported with at 0 from the job's start, so that a
+# dashboard shows 0, not "no data", before the first event.  Domains: the tree's five
+# (:data:`erlay.actors.observe.attribution.DOMAINS`); causes: a failure's kind
+# (:func:`erlay.supervisor.otel.cause_of`); sandbox outcomes: ``erlay.sandbox.results.
+# Outcome``; judge failure kinds: a Judgement's ``kind`` and the runner's
+# ``judge_failure_kind``.  tests/actors/observe/test_metrics_zero.py checks them against
+# their sources.
+RESTART_CAUSES = ("killed", "error", "hang", "lost", "start_error")
+SANDBOX_OUTCOME_KINDS = ("ok", "error", "timeout", "memory", "file_size", "output_limit",
+                         "killed", "spawn_failed")
+JUDGE_FAILURE_KINDS = ("timeout", "exception", "bad_return", "unavailable", "undecided",
+                       "circuit_open", "error")
+
+
+def zero_series(domains: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
+    """Every (counter, tags) series the job exports at 0 when it starts (``run`` aside):
+    rollouts and tokens; restarts per domain and cause; time lost per domain; sandbox
+    outcomes and judge failures per kind."""
+    out: list[tuple[str, dict[str, str]]] = [("rollouts", {}), ("tokens", {})]
+    out += [("restarts", {"domain": d, "cause": c}) for d in domains for c in RESTART_CAUSES]
+    out += [("time_lost", {"domain": d}) for d in domains]
+    out += [("sandbox_outcomes", {"kind": k}) for k in SANDBOX_OUTCOME_KINDS]
+    out += [("judge_failures", {"kind": k}) for k in JUDGE_FAILURE_KINDS]
+    return out
+
 
 @dataclass(frozen=True)
 class _Instruments:
@@ -155,6 +185,14 @@ class RayMetrics:
     def enabled(self) -> bool:
         """False once Ray metrics were found unusable in this process."""
         return not _STATE.disabled
+
+    def export_zeros(self, domains: tuple[str, ...]) -> None:
+        """Export every counter of :func:`zero_series` at 0 now, so that each series exists
+        before its first event.  Ray's ``Counter.inc`` refuses 0, so the point is recorded
+        through the metric's ``_record`` (Ray 2.60's ``Metric._record``, which ``inc``
+        itself calls after its check); a later ``inc`` adds to it."""
+        for instrument, tags in zero_series(domains):
+            self._record(instrument, "_record", 0.0, tags)
 
     def rollouts(self, n: int) -> None:
         """Count ``n`` completed rollouts (``erlay_rollouts_total``)."""

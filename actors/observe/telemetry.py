@@ -37,7 +37,9 @@ from typing import Any
 import numpy as np
 
 from erlay.actors.config import TelemetrySection
+from erlay.actors.observe.attribution import DOMAINS
 from erlay.actors.observe.goodput import goodput as goodput_of
+from erlay.actors.observe.metrics import zero_series
 from erlay.supervisor import telemetry
 from erlay.supervisor.otel import TracingEventSink
 
@@ -65,6 +67,12 @@ def step_time_lost(step_s: float, clean_steps_s: Sequence[float], failed: bool) 
     if not failed or not clean_steps_s:
         return 0.0
     return max(0.0, step_s - statistics.median(clean_steps_s))
+
+
+_OTEL_KEYS = {"rollouts": "rollouts", "tokens": "tokens", "restarts": "restarts",
+              "time_lost": "lost", "sandbox_outcomes": "sandbox", "judge_failures": "judge"}
+"""The OpenTelemetry counter of each :func:`~erlay.actors.observe.metrics.zero_series`
+name."""
 
 
 class JobTelemetry:
@@ -100,6 +108,7 @@ class JobTelemetry:
             try:
                 from erlay.actors.observe.metrics import RayMetrics
                 self.ray = RayMetrics(self.run_name)
+                self.ray.export_zeros(DOMAINS)  # dashboards show 0, not "no data"
             except Exception:  # the dashboard mirror is optional
                 log.warning("Ray metrics are off: they could not be set up", exc_info=True)
 
@@ -143,6 +152,8 @@ class JobTelemetry:
                     "lost": ("erlay.time_lost", "s")}
         for key, (name, unit) in counters.items():
             self._instruments[key] = meter.create_counter(name, unit=unit)
+        for series, tags in zero_series(DOMAINS):  # every series exported from the start
+            self._add(_OTEL_KEYS[series], 0, **tags)
         self._instruments["latency"] = meter.create_histogram("erlay.generation.latency",
                                                               unit="s")
         gauges = {"rollouts_per_s": "", "tokens_per_s": "", "goodput": "tokens/s",
