@@ -134,6 +134,23 @@ def test_every_metric_recorded_by_the_driver_reaches_prometheus(ray_fast_metrics
     wait_for_series(ray_fast_metrics, other, {key("erlay_rollouts_total", other): 2})
 
 
+@pytest.mark.ray
+def test_every_counter_is_at_zero_in_prometheus_before_its_first_event(
+        ray_fast_metrics: int) -> None:
+    from erlay.actors.observe.attribution import DOMAINS
+    from erlay.actors.observe.metrics import COUNTERS, zero_series
+    run = f"zeros-{uuid.uuid4().hex[:8]}"
+    metrics = RayMetrics(run)
+    metrics.export_zeros(DOMAINS)
+    zeros: Series = {key(COUNTERS[name], run, **tags): 0.0
+                     for name, tags in zero_series(DOMAINS)}
+    wait_for_series(ray_fast_metrics, run, zeros)
+    metrics.restart("judge", "hang")  # an event adds to its series' zero
+    wait_for_series(ray_fast_metrics, run, {
+        key("erlay_restarts_total", run, domain="judge", cause="hang"): 1.0,
+        key("erlay_restarts_total", run, domain="judge", cause="lost"): 0.0})
+
+
 class FakeInstrument:
     """Stands in for a Ray instrument; records (method, value, tags)."""
 
