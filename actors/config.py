@@ -8,7 +8,8 @@ judge class that cannot be imported.
 Every option is documented on its field; ``configs/reference.yaml`` shows them all.
 
 May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges,
-erlay.actors.config_data (the default plug-ins are named by import path).
+erlay.actors.config_data, erlay.actors.config_logging (the default plug-ins are named by
+import path).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from erlay.actors.config_data import DataSection
+from erlay.actors.config_logging import LoggingSection
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.imports import import_path
 
@@ -392,6 +394,7 @@ class JobConfig(Section):
     supervision: SupervisionSection = SupervisionSection()
     plugins: PluginsSection = PluginsSection()
     telemetry: TelemetrySection = TelemetrySection()
+    logging: LoggingSection = LoggingSection()
     node: NodeSection = NodeSection()
 
     @model_validator(mode="after")

@@ -537,6 +537,7 @@ class RolloutCoordinator:
             "gen_s": round(gen_seconds, 4), "gen_wait_s": round(gen_wait, 4),
             "train_s": round(train_seconds, 4), "step_s": round(step_seconds, 4),
             "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
+            "kl": metrics.get("kl"), "clip_fraction": metrics.get("clip_fraction"),
             "tokens_digest": tokens_digest(trajectories),
             "recovered": bool(metrics.get("recovered", False)),
             # The step's generation-length tail: what its slowest rollouts cost (issue of

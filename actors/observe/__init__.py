@@ -5,6 +5,7 @@
 - :mod:`.status`: ``erlay status``, the live tree read through a named endpoint;
 - :mod:`.report`: ``erlay report``, Markdown and plots from a run directory;
 - :mod:`.attribution`: which fault domain cost the run what time;
+- :mod:`.trackers`: the experiment trackers (TensorBoard, MLflow, W&B) fed the step metrics;
 - :mod:`.goodput`: goodput's one definition (trained tokens per second of wall time) and
   the per-step counts of samples trained and not trained.
 

@@ -95,6 +95,10 @@ class JobTelemetry:
         self._clean_steps: list[float] = []
         self.lost_s = 0.0
         self.rl_s = 0.0
+        # Running totals for the experiment trackers (:meth:`totals`).
+        self._restarts_by_domain: Counter[str] = Counter()
+        self._lost_by_domain: Counter[str] = Counter()
+        self._sandbox_outcomes: Counter[str] = Counter()
         self._latencies: dict[int, list[float]] = {}   # by the step the rollout is for
 
     # ------------------------------------------------------------------ lifecycle
@@ -204,6 +208,7 @@ class JobTelemetry:
     def _restarted(self, domain: str, cause: str) -> None:
         with self._lock:
             self._restarts_since_step[domain] += 1
+            self._restarts_by_domain[domain] += 1
         self._add("restarts", 1, domain=domain, cause=cause)
         self._ray("restart", domain, cause)
 
@@ -213,7 +218,18 @@ class JobTelemetry:
         with self._lock:
             self._latencies.setdefault(step, []).append(seconds)
 
+    def totals(self) -> dict[str, dict[str, float]]:
+        """The run's totals so far, by key: ``restarts`` and ``lost_s`` (seconds lost to
+        failures, as :meth:`step` splits them) by fault domain, ``sandbox`` runs by outcome.
+        Copies; thread-safe."""
+        with self._lock:
+            return {"restarts": dict(self._restarts_by_domain),
+                    "lost_s": dict(self._lost_by_domain),
+                    "sandbox": dict(self._sandbox_outcomes)}
+
     def sandbox_outcome(self, kind: str) -> None:
+        with self._lock:
+            self._sandbox_outcomes[kind] += 1
         self._add("sandbox", 1, kind=kind)
         self._ray("sandbox_outcome", kind)
 
@@ -260,6 +276,7 @@ class JobTelemetry:
         total = sum(failed.values())
         for domain, count in failed.items():
             share = lost * count / total
+            self._lost_by_domain[domain] += share
             self._add("lost", share, domain=domain)
             self._ray("time_lost", share, domain)
         self._ray("goodput", goodput)
