@@ -20,6 +20,7 @@ import logging
 import queue
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
@@ -30,6 +31,7 @@ from erlay.actors.job.validation import job_environments
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
 from erlay.actors.observe.telemetry import JobTelemetry
+from erlay.actors.observe.trackers import Trackers
 from erlay.actors.rundir import RunDir
 from erlay.supervisor.errors import ChildStartError, SupervisorFailed, VersionMismatch
 from erlay.supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
@@ -159,6 +161,7 @@ class Job:
         self.telemetry = JobTelemetry(cfg.telemetry, run_dir.path, run_dir.path.name)
         self.events = FanoutSink([self._jsonl, LoggingSink(), self.restarts,
                                   self.telemetry.event_sink()])
+        self.trackers = Trackers.for_job(cfg, run_dir.path)  # logging: TensorBoard, MLflow, W&B
         self.tree: SupervisionTree | None = None
         self.paths: DomainPaths | None = None
         self._t0 = time.time()
@@ -181,6 +184,7 @@ class Job:
             self.last_rl_metrics = record  # `erlay status` shows its step and reward
         self.last_metrics = record
         self.run_dir.append_metrics(record)
+        self.trackers.log(record, self.telemetry.totals())
         self.metrics.put(record)
 
     # -------------------------------------------------------------------- the tree
@@ -345,6 +349,7 @@ class Job:
                    f"preparing the nodes failed; nothing was started: {exc!r}")
             return self._end(JobResult("failed", why, time.time() - started, self.run_dir))
         self.telemetry.start(self.span_exporter)
+        self.trackers.start()
         tree = self.build()
         from erlay.actors.observe.status import StatusPublisher
         status = StatusPublisher.for_job(self, tree)  # `erlay status` reads what it publishes
@@ -398,6 +403,7 @@ class Job:
 
     def _end(self, result: JobResult) -> JobResult:
         self._close()
+        self.trackers.close(result.status, self._export)
         self.run_dir.plot_rewards()
         # The summary's wall time runs from this driver's start (its records' started_at),
         # Ray's start-up included, so that a resumed run's segments and outages add up.
@@ -405,6 +411,12 @@ class Job:
                                    started_at=self._t0)
         self._append_attribution()
         return result
+
+    def _export(self, out: Path) -> Path:
+        """The run's newest checkpoint as an HF model directory in ``out`` (``erlay
+        export``), for the trackers that keep the final model."""
+        from erlay.actors.job.export import export_run
+        return export_run(self.run_dir.path, out).out
 
     def _append_attribution(self) -> None:
         """The failure-attribution table (by domain and cause, with recovery times and
