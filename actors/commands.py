@@ -134,19 +134,24 @@ class StatusCommand:
     """``erlay status``: see :func:`erlay.actors.observe.status.cli_status`."""
 
     name: str = "status"
-    help: str = "the live tree of a running job (read-only)"
+    help: str = "the live tree of a running job (read-only; joins no Ray job)"
     takes_overrides: bool = False
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                            help="the run directory of the job to show (it records the "
+                            "job's cluster and Ray job id)")
+        parser.add_argument("--job", "--run", dest="job", metavar="NAME_OR_ID",
+                            help="the run's name or id, or the Ray job or submission id, "
+                            "when several erlay jobs run on the cluster")
         parser.add_argument("--address", help="Ray cluster of the job (default: RAY_ADDRESS, "
                             "else the local Ray this machine started last)")
-        parser.add_argument("--run", help="the run's name, when several jobs run on the "
-                            "cluster")
         parser.add_argument("--watch", action="store_true", help="refresh in place until the "
-                            "job ends or Ctrl-C")
+                            "job ends (exit 0) or the cluster goes away (exit 1)")
         parser.add_argument("--interval", type=float, default=1.0,
                             help="seconds between refreshes with --watch (default 1)")
-        parser.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+        parser.add_argument("--json", action="store_true", help="the same content as JSON, "
+                            "one object (per refresh), for scripts")
 
     def run(self, args: argparse.Namespace) -> int:
         from erlay.actors.observe.status import cli_status

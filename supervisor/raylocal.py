@@ -31,14 +31,23 @@ LOOPBACK = "127.0.0.1"
 def ensure_ray(address: str | None = None, *, num_cpus: int | None = None,
                namespace: str = "erlay", include_dashboard: bool | None = None,
                system_config: dict[str, Any] | None = None,
-               log_to_driver: bool = False, **kwargs: Any) -> dict[str, Any]:
+               log_to_driver: bool = False, metadata: dict[str, str] | None = None,
+               **kwargs: Any) -> dict[str, Any]:
     """Start a loopback-only local Ray, or attach to ``address`` (or ``RAY_ADDRESS``).
 
-    Does nothing if Ray is already initialised in this process.  Returns Ray's context info.
+    ``metadata`` becomes this driver's Ray job metadata (``ray job list`` shows it); under
+    ``ray job submit`` Ray merges the submission's metadata over it.  Does nothing if Ray is
+    already initialised in this process (the metadata is then not applied).  Returns Ray's
+    context info.
     """
     quiet_worker_death_notices()
     if ray.is_initialized():
         return {"address": ray.get_runtime_context().gcs_address, "started": False}
+    if metadata:
+        job_config = kwargs.get("job_config") or ray.job_config.JobConfig()
+        for key, value in metadata.items():
+            job_config.set_metadata(key, value)
+        kwargs["job_config"] = job_config
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         if _on_loopback(address):

@@ -335,8 +335,12 @@ class Job:
         """Start Ray (or attach), run the tree until training ends, write the run dir."""
         cfg = self.cfg
         self.run_dir.config.write_text(cfg.to_yaml(), encoding="utf-8")
+        from erlay.actors.observe.status import StatusPublisher, identity_metadata
         ray_info = ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
-                              include_dashboard=cfg.ray.include_dashboard)
+                              include_dashboard=cfg.ray.include_dashboard,
+                              metadata=identity_metadata(  # `ray job list` names the run
+                                  cfg.run.name, self.run_dir.path.name, self.run_dir.path,
+                                  self.run_dir.config))
         started = time.time()
         nodes = sorted(n["NodeID"] for n in alive_nodes())
         try:
@@ -351,7 +355,6 @@ class Job:
         self.telemetry.start(self.span_exporter)
         self.trackers.start()
         tree = self.build()
-        from erlay.actors.observe.status import StatusPublisher
         status = StatusPublisher.for_job(self, tree)  # `erlay status` reads what it publishes
         result: JobResult | None = None
         try:

@@ -1,30 +1,37 @@
-"""``erlay status``: a running job's live supervision tree, read through a named endpoint.
+"""``erlay status``: a running job's live supervision tree, read without joining the cluster.
 
 The tree lives in the job's driver, and a Ray driver cannot serve calls, so the driver
-*publishes* and readers read from a small actor::
+*publishes* into the cluster's GCS key-value store, and readers read it with a bare GCS
+client (as ``ray status`` does), never with ``ray.init``: a reader registers no Ray job::
 
-    driver (Job.run)                            any machine that reaches the cluster
+    driver (Job.run)                              any machine that reaches the cluster
     ├── tree          (event-loop thread)
-    └── StatusPublisher (daemon thread)  ──►  StatusEndpoint actor  ◄──  erlay status
-          every ~1 s: tree.snapshot()           "erlay/status@<run id>"    (read() only)
-          plus a job summary                    namespace "erlay"
+    └── StatusPublisher (daemon thread)  ──►  GCS KV  ◄──  erlay status (GcsClient)
+          every ~1 s: tree.snapshot()         "erlay" / "status/<ray job id>"
+          plus a job summary                  + GCS job table (alive? identity metadata)
 
 Contracts:
 
+- **Identity.**  A run has a name (``run.name``) and an id (its run directory's name).  The
+  driver's Ray job carries both, with the run directory and the config path, as job
+  metadata (:func:`identity_metadata`, keys ``erlay_*``), so ``ray job list`` shows them;
+  Ray merges a ``ray job submit``'s own metadata over it, which leaves these keys alone.
+  The published snapshot repeats the identity (a driver that attached to an already
+  initialised Ray has no say in its metadata), and ``RUN_DIR/status.json`` records the
+  cluster address and Ray job id, so ``erlay status RUN_DIR`` finds the job.
 - The publisher never raises into the job.  A snapshot that fails (the tree is restarting, a
   host does not answer) skips that tick; the snapshot's age then grows, and readers mark it
-  stale after :data:`STALE_INTERVALS` intervals.
-- The publisher starts before the tree boots (a slow boot shows as it happens) and stops
-  when ``Job.run`` ends.  The endpoint is owned by the driver (not detached), so Ray removes
-  it when the driver dies, and the publisher kills it when the job ends: a listed endpoint
-  is a running job.
-- Readers call only :meth:`StatusEndpoint.read`.  The endpoint holds a copy of the last
-  snapshot and nothing else: it has no handle on the tree and exposes no control.
-- Ages are measured on the endpoint's clock (it stamps each snapshot as it arrives), so a
-  reader on another machine with a skewed clock still sees the right age.
+  stale after :data:`STALE_INTERVALS` intervals.  Ages are the reader's clock minus the
+  publisher's (``published_at``): clocks skewed across machines skew the age.
+- The publisher starts before the tree boots and, when the job ends, publishes the outcome
+  as the last snapshot; the entry stays (a few kB per job) so a finished job still shows
+  how it ended.  Whether a job runs is the GCS job table's word (``is_dead``), not the
+  entry's: a driver that died without a word is shown as ended.
+- Selection never guesses: one running erlay job is shown; several are listed with the
+  flag to pass (exit 2).
 
-The shell (endpoint, publisher, :func:`cli_status`) talks to Ray; the decisions (which
-endpoint a reader means, what the view holds, how it renders) are pure functions below.
+The shell (publisher, GCS reads, :func:`cli_status`) talks to Ray; the decisions (which job
+a reader means, what the view holds, how it renders) are pure functions below.
 """
 
 from __future__ import annotations
@@ -39,61 +46,55 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
-
-from erlay.supervisor.errors import ErlayError
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("erlay.status")
 
 NAMESPACE = "erlay"
-PREFIX = "erlay/status@"
-SCHEMA = 1
+KEY_PREFIX = "status/"
+RUN_FILE = "status.json"       # in the run directory: where its job runs
+META_PREFIX = "erlay_"         # Ray job metadata keys: erlay_run_name, erlay_run_id, ...
+SCHEMA = 2
 PUBLISH_INTERVAL_S = 1.0
 STALE_INTERVALS = 5          # a snapshot older than this many publish intervals is stale
+GCS_TIMEOUT_S = 3.0          # a reader's GCS call; past it the cluster is taken as gone
 CLEAR = "\x1b[H\x1b[2J"     # cursor home, clear screen (for --watch)
 
 
-def endpoint_name(run_id: str) -> str:
-    """The Ray actor name of the endpoint of the run whose directory is named ``run_id``."""
-    return f"{PREFIX}{run_id}"
+def identity_metadata(name: str, run_id: str, run_dir: str | Path,
+                      config: str | Path | None) -> dict[str, str]:
+    """The Ray job metadata that names an erlay run (string values, as Ray requires)."""
+    return {f"{META_PREFIX}run_name": name, f"{META_PREFIX}run_id": run_id,
+            f"{META_PREFIX}run_dir": str(run_dir),
+            f"{META_PREFIX}config": str(config) if config else ""}
+
+
+def status_key(job_id: str) -> str:
+    """The KV key (namespace :data:`NAMESPACE`) of the Ray job ``job_id``'s snapshot."""
+    return f"{KEY_PREFIX}{job_id}"
 
 
 # ============================================================================ the shell
 
-class StatusEndpoint:
-    """The named actor that holds a job's last published status (wrapped by ``ray.remote``).
-
-    ``publish`` is for the owning driver's publisher; ``read`` is all a reader calls."""
-
-    def __init__(self) -> None:
-        self._doc: dict[str, Any] | None = None
-        self._received = 0.0
-
-    def publish(self, doc: dict[str, Any]) -> None:
-        """Replace the held snapshot, stamping its arrival on this actor's clock."""
-        self._doc, self._received = doc, time.monotonic()
-
-    def read(self) -> dict[str, Any] | None:
-        """``{"doc": the last snapshot, "age_s": seconds since it arrived}``, or None before
-        the first one."""
-        if self._doc is None:
-            return None
-        return {"doc": self._doc, "age_s": round(time.monotonic() - self._received, 3)}
+def _kv_put(key: str, value: str) -> None:
+    from ray.experimental import internal_kv
+    internal_kv._internal_kv_put(key, value.encode(), overwrite=True, namespace=NAMESPACE)
 
 
 class StatusPublisher:
-    """Publishes ``collect()`` to the endpoint named ``name`` every ``interval_s`` seconds.
+    """Publishes ``collect()`` under this driver's Ray job every ``interval_s`` seconds.
 
-    ``start`` and ``stop`` never raise: a job whose status cannot be published still runs.
-    ``stop`` is idempotent, safe before ``start``, and removes the endpoint."""
+    ``start``, ``finish`` and ``stop`` never raise: a job whose status cannot be published
+    still runs.  ``stop`` is idempotent and safe before ``start``."""
 
-    def __init__(self, name: str, collect: Callable[[], dict[str, Any]],
-                 interval_s: float = PUBLISH_INTERVAL_S) -> None:
-        self.name = name
+    def __init__(self, collect: Callable[[], dict[str, Any]],
+                 interval_s: float = PUBLISH_INTERVAL_S, run_dir: Path | None = None) -> None:
         self.collect = collect
         self.interval_s = interval_s
-        self.endpoint: Any = None
+        self.run_dir = run_dir
+        self.key: str | None = None
         self.published = 0
         self.last_doc: dict[str, Any] | None = None
         self._stop = threading.Event()
@@ -103,14 +104,22 @@ class StatusPublisher:
     def for_job(job: Any, tree: Any, interval_s: float = PUBLISH_INTERVAL_S) -> StatusPublisher:
         """A publisher of ``job``'s summary and ``tree``'s snapshot (see :func:`job_doc`)."""
         started = time.monotonic()
-        return StatusPublisher(endpoint_name(job.run_dir.path.name),
-                               lambda: job_doc(job, tree, started, interval_s), interval_s)
+        return StatusPublisher(lambda: job_doc(job, tree, started, interval_s), interval_s,
+                               job.run_dir.path)
 
     def start(self) -> None:
         try:
-            self.endpoint = self._create()
+            import ray
+            ctx = ray.get_runtime_context()
+            job_id = ctx.get_job_id()
+            self.key = status_key(job_id)
+            if self.run_dir is not None:
+                record = {"address": ctx.gcs_address, "job_id": job_id,
+                          "key": self.key, "namespace": NAMESPACE}
+                (self.run_dir / RUN_FILE).write_text(json.dumps(record) + "\n",
+                                                     encoding="utf-8")
         except Exception as exc:  # noqa: BLE001 - status is optional; the job is not
-            log.warning("erlay status: no endpoint for this job (%s: %s)",
+            log.warning("erlay status: not published for this job (%s: %s)",
                         type(exc).__name__, exc)
             return
         self._thread = threading.Thread(target=self._loop, name="erlay-status", daemon=True)
@@ -118,18 +127,16 @@ class StatusPublisher:
 
     def finish(self, status: str, reason: str, exit_code: int, linger_s: float = 0.0) -> None:
         """Publish the job's outcome as its last snapshot (the tree is gone by now, so the
-        last one collected is reused), then keep the endpoint up ``linger_s`` seconds for
-        readers to see it.  What ``erlay status`` shows then agrees with the exit code."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
-        if self.endpoint is None:
+        last one collected is reused).  What ``erlay status`` shows then agrees with the
+        exit code.  ``linger_s`` keeps the job alive that long, for watchers to see it."""
+        self._halt()
+        if self.key is None:
             return
-        import ray
         doc = dict(self.last_doc or {})
         doc["outcome"] = {"status": status, "reason": reason, "exit_code": exit_code}
+        doc["published_at"] = time.time()
         try:
-            ray.get(self.endpoint.publish.remote(doc), timeout=10)
+            _kv_put(self.key, json.dumps(doc, default=str))
         except Exception as exc:  # noqa: BLE001 - status is optional
             log.debug("erlay status: the outcome was not published: %s", exc)
             return
@@ -137,23 +144,19 @@ class StatusPublisher:
             time.sleep(linger_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self._halt(timeout_s)
+
+    def _halt(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        endpoint, self.endpoint = self.endpoint, None
-        if endpoint is not None:
-            try:
-                import ray
-                ray.kill(endpoint)
-            except Exception as exc:  # noqa: BLE001 - it dies with the driver anyway
-                log.debug("erlay status: killing the endpoint failed: %s", exc)
 
     def publish_once(self) -> bool:
         """Collect and publish one snapshot; False (logged) if either step failed."""
-        import ray
         try:
             doc = self.collect()
-            ray.get(self.endpoint.publish.remote(doc), timeout=10)
+            doc["published_at"] = time.time()
+            _kv_put(str(self.key), json.dumps(doc, default=str))
             self.last_doc = doc
         except Exception as exc:  # noqa: BLE001 - e.g. the tree is mid-restart: skip a tick
             log.debug("erlay status: snapshot skipped: %s: %s", type(exc).__name__, exc)
@@ -165,20 +168,6 @@ class StatusPublisher:
         while not self._stop.is_set():
             self.publish_once()
             self._stop.wait(self.interval_s)
-
-    def _create(self) -> Any:
-        import ray
-        actor = ray.remote(StatusEndpoint)
-        for attempt in range(1, 6):
-            name = self.name if attempt == 1 else f"{self.name}#{attempt}"
-            try:  # not detached: owned by this driver, so it dies with the job
-                handle = actor.options(name=name, namespace=NAMESPACE, num_cpus=0,
-                                       max_restarts=0).remote()
-            except ValueError:  # the name is taken by another live job's endpoint
-                continue
-            self.name = name
-            return handle
-        raise RuntimeError(f"endpoint names {self.name}, {self.name}#2.. are all taken")
 
 
 def job_doc(job: Any, tree: Any, started: float, interval_s: float) -> dict[str, Any]:
@@ -204,67 +193,151 @@ def job_doc(job: Any, tree: Any, started: float, interval_s: float) -> dict[str,
     }
 
 
-def find_endpoints() -> list[str]:
-    """Names of the status endpoints on the connected cluster, sorted."""
-    import ray
-    named = ray.util.list_named_actors(all_namespaces=True)
-    return sorted(a["name"] for a in named
-                  if a.get("namespace") == NAMESPACE and a["name"].startswith(PREFIX))
+class ClusterGone(Exception):
+    """The cluster's GCS does not answer (stopped, unreachable, or refused us)."""
 
 
-def read_endpoint(name: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
-    """The endpoint's ``read()``; None before its first snapshot.  Raises
-    :class:`EndpointGone` when the endpoint (so the job) is gone."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RaySystemError
-    try:
-        handle = ray.get_actor(name, namespace=NAMESPACE)
-        return cast("dict[str, Any] | None", ray.get(handle.read.remote(), timeout=timeout_s))
-    except (ValueError, RayActorError, GetTimeoutError, RaySystemError,
-            ConnectionError) as exc:  # no such actor, it died, or its cluster went down
-        raise EndpointGone(name) from exc
+class Cluster:
+    """A reader's view of one cluster through a bare GCS client: no ``ray.init``, no job.
+
+    Every call raises :class:`ClusterGone` when the GCS does not answer within
+    :data:`GCS_TIMEOUT_S`."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        if not _reachable(address):
+            raise ClusterGone("nothing listens there")
+        _local_token_auth(address)
+        from ray._raylet import GcsClient
+        try:
+            self.client = GcsClient(address=address)
+        except Exception as exc:  # Ray raises several kinds here
+            raise ClusterGone(_first_line(exc)) from exc
+
+    def jobs(self) -> list[JobEntry]:
+        """Every Ray job that is an erlay run: erlay metadata, or a published snapshot."""
+        try:
+            infos = self.client.get_all_job_info(skip_submission_job_info_field=True,
+                                                 skip_is_running_tasks_field=True,
+                                                 timeout=GCS_TIMEOUT_S)
+            published = set(self.client.internal_kv_keys(
+                KEY_PREFIX.encode(), namespace=NAMESPACE.encode(), timeout=GCS_TIMEOUT_S))
+        except Exception as exc:  # RpcError, TimeoutError, ...
+            raise ClusterGone(_first_line(exc)) from exc
+        out = []
+        for info in infos.values():
+            job_id = info.job_id.hex()
+            meta = dict(info.config.metadata)
+            has_doc = status_key(job_id).encode() in published
+            if not has_doc and f"{META_PREFIX}run_id" not in meta:
+                continue
+            if has_doc and f"{META_PREFIX}run_id" not in meta:
+                run = (self.read(job_id) or {}).get("doc", {}).get("run") or {}
+                meta.update(identity_metadata(run.get("name", "?"), run.get("id", "?"),
+                                              run.get("dir", "?"), None))
+            out.append(JobEntry(job_id=job_id, run_id=meta[f"{META_PREFIX}run_id"],
+                                name=meta.get(f"{META_PREFIX}run_name", "?"),
+                                run_dir=meta.get(f"{META_PREFIX}run_dir", "?"),
+                                config=meta.get(f"{META_PREFIX}config", ""),
+                                alive=not info.is_dead,
+                                submission_id=meta.get("job_submission_id", "")))
+        return sorted(out, key=lambda j: j.job_id)
+
+    def alive(self, job_id: str) -> bool:
+        return any(j.alive for j in self.jobs() if j.job_id == job_id)
+
+    def read(self, job_id: str) -> dict[str, Any] | None:
+        """``{"doc": the last snapshot, "age_s": its age}``, or None before the first one."""
+        try:
+            raw = self.client.internal_kv_get(status_key(job_id).encode(),
+                                              namespace=NAMESPACE.encode(),
+                                              timeout=GCS_TIMEOUT_S)
+        except Exception as exc:
+            raise ClusterGone(_first_line(exc)) from exc
+        if not raw:
+            return None
+        doc = json.loads(raw)
+        age = max(0.0, time.time() - float(doc.get("published_at") or time.time()))
+        return {"doc": doc, "age_s": round(age, 3)}
 
 
-class EndpointGone(ErlayError):
-    """The endpoint no longer answers: its job ended (or its driver died)."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().strip("'\"").splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 # ======================================================================== the pure core
 
 @dataclass(frozen=True)
-class Choice:
-    """Which endpoint to read, or why none: ``exit_code`` 1 (none found), 2 (ambiguous)."""
+class JobEntry:
+    """One erlay run as the cluster knows it."""
 
-    name: str | None
+    job_id: str               # Ray's job id (hex)
+    run_id: str
+    name: str
+    run_dir: str
+    config: str = ""
+    alive: bool = True
+    submission_id: str = ""   # set under ``ray job submit``
+
+    def names(self) -> tuple[str, ...]:
+        """What ``--job`` may name this run by."""
+        return tuple(k for k in (self.run_id, self.name, self.job_id, self.submission_id) if k)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which job to read, or why none: ``exit_code`` 1 (none found), 2 (ambiguous)."""
+
+    job: JobEntry | None
     exit_code: int = 0
     message: str = ""
 
 
-def choose_endpoint(names: list[str], run: str | None, address: str) -> Choice:
-    """Pick the endpoint a reader means among ``names``.
+def choose_job(jobs: list[JobEntry], wanted: str | None, address: str) -> Choice:
+    """Pick the job a reader means among ``jobs``; never guess.
 
-    Without ``run``: the only one, else exit 2 listing them.  With ``run``: the run id equal
-    to it, else the ids that start with it (``--run arithmetic``), which must be one."""
-    ids = [n.removeprefix(PREFIX) for n in names]
-    if not ids:
-        return Choice(None, 1, f"erlay: no running erlay job found at {address}")
-    if run is None:
-        if len(ids) == 1:
-            return Choice(names[0])
-        return Choice(None, 2, _listing(f"erlay: {len(ids)} erlay jobs run at {address}; "
-                                        "pick one with --run NAME:", ids))
-    matches = [i for i in ids if i == run] or [i for i in ids if i.startswith(run)]
+    Without ``wanted``: the only running one, else exit 2 listing the running ones (or exit 1
+    when none runs).  With ``wanted`` (a run id, run name, Ray job id or submission id):
+    exact matches first, then run ids that start with it; running jobs are preferred over
+    ended ones; still more than one is exit 2 with the list."""
+    running = [j for j in jobs if j.alive]
+    if wanted is None:
+        if len(running) == 1:
+            return Choice(running[0])
+        if not running:
+            return Choice(None, 1, f"erlay: no running erlay job found at {address}")
+        return Choice(None, 2, _listing(f"erlay: {len(running)} erlay jobs run at {address}; "
+                                        "pick one with --job NAME_OR_ID (or give its RUN_DIR):",
+                                        running))
+    matches = ([j for j in jobs if wanted in j.names()]
+               or [j for j in jobs if j.run_id.startswith(wanted)])
+    if len(matches) > 1 and any(j.alive for j in matches):
+        matches = [j for j in matches if j.alive]
     if len(matches) == 1:
-        return Choice(endpoint_name(matches[0]))
+        return Choice(matches[0])
     if not matches:
-        return Choice(None, 1, _listing(f"erlay: no running erlay job named {run!r} found at "
-                                        f"{address}; running:", ids))
-    return Choice(None, 2, _listing(f"erlay: --run {run!r} matches {len(matches)} jobs at "
-                                    f"{address}; give more of the name:", matches))
+        return Choice(None, 1, _listing(f"erlay: no erlay job {wanted!r} found at {address}; "
+                                        "its jobs:", jobs) if jobs else
+                      f"erlay: no erlay job {wanted!r} found at {address}")
+    return Choice(None, 2, _listing(f"erlay: --job {wanted!r} matches {len(matches)} jobs at "
+                                    f"{address}; pick one by its ID:", matches))
 
 
-def _listing(head: str, ids: list[str]) -> str:
-    return "\n".join([head, *(f"  {i}" for i in ids)])
+LISTING = ("NAME", "ID", "RAY JOB", "STATE", "RUN DIR")
+
+
+def _listing(head: str, jobs: list[JobEntry]) -> str:
+    rows = [LISTING, *((j.name, j.run_id, j.job_id, "running" if j.alive else "ended",
+                        j.run_dir) for j in jobs)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(LISTING))]
+    lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in rows]
+    return "\n".join([head, *lines])
+
+
+def jobs_json(jobs: list[JobEntry]) -> list[dict[str, Any]]:
+    return [asdict(j) for j in jobs]
 
 
 def flatten(tree: dict[str, Any]) -> list[dict[str, Any]]:
@@ -280,23 +353,29 @@ def flatten(tree: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def status_view(read: dict[str, Any], *, address: str, endpoint: str) -> dict[str, Any]:
+def status_view(read: dict[str, Any], *, address: str, job_id: str,
+                alive: bool = True) -> dict[str, Any]:
     """The object ``erlay status --json`` prints, from an endpoint's ``read()``.
 
     ``job.uptime_s`` is advanced by the snapshot's age; children's ``progress_age_s`` are as
     of the snapshot.  ``stale`` says the driver has not published for STALE_INTERVALS
-    intervals (hung, or dying)."""
+    intervals (hung, or dying).  A job the cluster no longer runs (``alive`` False) that
+    published no outcome is shown as ended without one (its driver died)."""
     doc, age = read["doc"], float(read["age_s"])
     job = dict(doc.get("job") or {})
     if job.get("uptime_s") is not None:
         job["uptime_s"] = round(float(job["uptime_s"]) + age, 3)
     tree = doc.get("tree") or {}
     interval = float(doc.get("interval_s") or PUBLISH_INTERVAL_S)
-    return {"address": address, "endpoint": endpoint, "schema": doc.get("schema"),
+    outcome = doc.get("outcome")
+    if outcome is None and not alive:
+        outcome = {"status": "ended", "reason": "the driver exited without a word",
+                   "exit_code": None}
+    return {"address": address, "ray_job_id": job_id, "schema": doc.get("schema"),
             "run": doc.get("run") or {}, "job": job, "snapshot_age_s": round(age, 3),
-            "stale": age > STALE_INTERVALS * interval and not doc.get("outcome"),
+            "stale": age > STALE_INTERVALS * interval and not outcome,
             "tree": tree, "children": flatten(tree) if tree else [],
-            "outcome": doc.get("outcome")}
+            "outcome": outcome, "running": alive and not outcome}
 
 
 def format_age(seconds: float | None) -> str:
@@ -344,13 +423,15 @@ def header_lines(view: dict[str, Any]) -> list[str]:
     stale = "  STALE (driver busy, hung or exiting)" if view["stale"] else ""
     driver = job.get("driver") or {}
     outcome = view.get("outcome")
-    ended = ([f"ENDED {outcome['status'].upper()} (exit code {outcome['exit_code']}): "
-              f"{outcome['reason']}"] if outcome else [])
-    return [*ended, f"run {run.get('id', '?')}  ({run.get('dir', '?')})",
+    code = outcome["exit_code"] if outcome and outcome.get("exit_code") is not None else "?"
+    ended = ([f"ENDED {outcome['status'].upper()} (exit code {code}): {outcome['reason']}"]
+             if outcome else [])
+    return [*ended, f"run {run.get('id', '?')}  name {run.get('name', '?')}  "
+            f"({run.get('dir', '?')})",
             f"{step}   last reward {reward}   restarts {job.get('restarts', 0)}   "
             f"uptime {format_age(job.get('uptime_s'))}   snapshot {age} old{stale}",
             f"driver pid {driver.get('pid', '?')} on {driver.get('host', '?')}   "
-            f"ray {view['address']}"]
+            f"ray {view['address']}  job {view.get('ray_job_id', '?')}"]
 
 
 def tree_rows(tree: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -439,75 +520,112 @@ def _local_token_auth(address: str) -> None:
         quiet.setLevel(level)
 
 
-def _connect(address: str) -> str | None:
-    """Attach to the cluster at ``address``; None, or why not (for the user)."""
-    if not _reachable(address):
-        return "nothing listens there"
-    from erlay.supervisor.raylocal import ensure_ray
-    _local_token_auth(address)
+def _resolve(address: str) -> tuple[str, str]:
+    """``(host:port of the GCS, how to name it to the user)``; ``auto`` is the cluster this
+    machine started last, as Ray finds it.  Raises :class:`ClusterGone` if there is none."""
+    if address != "auto":
+        return address, address
+    from ray._private.services import canonicalize_bootstrap_address
     try:
-        ensure_ray(address, logging_level=logging.ERROR, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        log.debug("cannot attach to %s: %s", address, exc)
-        hint = "" if address == "auto" or os.environ.get("RAY_AUTH_MODE") == "token" else \
-            "; a cluster with token authentication also needs RAY_AUTH_MODE=token"
-        text = str(exc).strip().strip("'\"").splitlines()
-        return f"cannot attach: {text[0] if text else type(exc).__name__}{hint}"
-    return None
+        found = canonicalize_bootstrap_address("auto")
+    except Exception as exc:  # ConnectionError: none recorded
+        raise ClusterGone(_first_line(exc)) from exc
+    if not found:
+        raise ClusterGone("no local Ray cluster found")
+    return found, f"{found} (auto)"
 
 
-def _read_first(name: str, wait_s: float = 5.0) -> dict[str, Any] | None:
-    """The endpoint's first snapshot, waiting ``wait_s`` for a job that has just started."""
+def _run_record(run_dir: Path) -> dict[str, Any]:
+    """What ``RUN_DIR/status.json`` says of the run's job; raises ValueError, for the user."""
+    path = run_dir / RUN_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: that run never published its status "
+                         "(not an erlay run directory, or its job did not start)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(record, dict) or not {"address", "job_id"} <= set(record):
+        raise ValueError(f"{path} names no cluster address and job id")
+    return record
+
+
+def _read_first(cluster: Cluster, job: JobEntry, wait_s: float = 5.0) -> dict[str, Any] | None:
+    """The job's first snapshot, waiting ``wait_s`` for a job that has just started."""
     deadline = time.monotonic() + wait_s
     while True:
-        read = read_endpoint(name)
-        if read is not None or time.monotonic() > deadline:
+        read = cluster.read(job.job_id)
+        if read is not None or not job.alive or time.monotonic() > deadline:
             return read
         time.sleep(0.2)
 
 
 def cli_status(args: argparse.Namespace) -> int:
-    """``erlay status``: 0 shown (or Ctrl-C / job end under --watch), 1 no job, 2 ambiguous."""
-    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
-    problem = _connect(address)
-    if problem is not None:
-        print(f"erlay: no running erlay job found at {address} ({problem})", file=sys.stderr)
+    """``erlay status``: 0 shown (or, under --watch, the job ended or Ctrl-C), 1 no such job
+    or no cluster (or, under --watch, the cluster went away), 2 ambiguous (a list to pick
+    from).  Reads through a bare GCS client: registers no Ray job."""
+    wanted: str | None = getattr(args, "job", None)
+    address: str | None = args.address
+    if getattr(args, "run_dir", None):
+        try:
+            record = _run_record(Path(args.run_dir))
+        except ValueError as exc:
+            print(f"erlay: {exc}", file=sys.stderr)
+            return 1
+        address, wanted = address or str(record["address"]), str(record["job_id"])
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    label = address
+    try:
+        gcs, label = _resolve(address)
+        cluster = Cluster(gcs)
+        jobs = cluster.jobs()
+    except ClusterGone as exc:
+        print(f"erlay: no running erlay job found at {label} ({exc})", file=sys.stderr)
         return 1
-    if address == "auto":  # name the cluster that "auto" found
-        import ray
-        address = f"{ray.get_runtime_context().gcs_address} (auto)"
-    choice = choose_endpoint(find_endpoints(), args.run, address)
-    if choice.name is None:
+    choice = choose_job(jobs, wanted, label)
+    if choice.job is None:
+        if args.json:
+            print(json.dumps({"address": label, "error": choice.message.splitlines()[0],
+                              "jobs": jobs_json(jobs)}, sort_keys=True))
         print(choice.message, file=sys.stderr)
         return choice.exit_code
-    run_id = choice.name.removeprefix(PREFIX)
+    job = choice.job
     try:
-        read = _read_first(choice.name)
-    except EndpointGone:
-        print(f"erlay: job {run_id} ended", file=sys.stderr)
+        read = _read_first(cluster, job)
+    except ClusterGone as exc:
+        print(f"erlay: the Ray cluster at {label} went away ({exc})", file=sys.stderr)
         return 1
     if read is None:
-        print(f"erlay: job {run_id} has not published its tree yet", file=sys.stderr)
+        print(f"erlay: job {job.run_id} ({job.job_id}) has not published its tree "
+              f"{'yet' if job.alive else 'before it ended'}", file=sys.stderr)
         return 1
-    if not args.watch:
-        _show(read, address, choice.name, args.json, clear=False)
-        return 0
+    alive = job.alive
     try:
         while True:
-            _show(read, address, choice.name, args.json, clear=sys.stdout.isatty())
+            view = status_view(read, address=label, job_id=job.job_id, alive=alive)
+            _show(view, args.json, clear=args.watch and sys.stdout.isatty())
+            if not args.watch:
+                return 0
+            if not view["running"]:
+                outcome = view["outcome"] or {}
+                code = outcome.get("exit_code")
+                print(f"erlay: job {job.run_id} ended: {outcome.get('status', '?')} "
+                      f"(exit code {'?' if code is None else code})", file=sys.stderr)
+                return 0
             time.sleep(max(args.interval, 0.1))
             try:
-                read = read_endpoint(choice.name) or read
-            except EndpointGone:
-                print(f"erlay: job {run_id} ended")
-                return 0
+                if not _reachable(gcs, timeout_s=1.0):
+                    raise ClusterGone("nothing listens there any more")
+                alive = cluster.alive(job.job_id)
+                read = cluster.read(job.job_id) or read
+            except ClusterGone as exc:
+                print(f"erlay: the Ray cluster at {label} went away ({exc})", file=sys.stderr)
+                return 1
     except KeyboardInterrupt:
         return 0
 
 
-def _show(read: dict[str, Any], address: str, name: str, as_json: bool, *,
-          clear: bool) -> None:
-    view = status_view(read, address=address, endpoint=name)
+def _show(view: dict[str, Any], as_json: bool, *, clear: bool) -> None:
     if as_json:  # under --watch: one object per line
         print(render_json(view), flush=True)
         return

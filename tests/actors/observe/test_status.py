@@ -1,5 +1,6 @@
-"""``erlay status``: rendering from hand-made snapshots, the endpoint's contracts on a real
-local Ray, and the real CLI watching a real job whose engine is SIGKILLed."""
+"""``erlay status``: rendering from hand-made snapshots, choosing a job, and the real CLI
+watching a real job whose engine is SIGKILLed (the cluster-level contracts, with several jobs,
+are in test_status_cluster.py)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,12 @@ from typing import Any, cast
 import pytest
 
 from erlay.actors.observe.status import (
-    PREFIX,
-    StatusPublisher,
-    choose_endpoint,
+    Cluster,
+    JobEntry,
+    choose_job,
     cli_status,
-    endpoint_name,
-    find_endpoints,
     flatten,
     format_age,
-    read_endpoint,
     render_json,
     render_text,
     status_view,
@@ -82,7 +80,7 @@ def doc(**job: Any) -> dict[str, Any]:
 
 def view(age_s: float = 0.4, **job: Any) -> dict[str, Any]:
     return status_view({"doc": doc(**job), "age_s": age_s}, address="127.0.0.1:6379",
-                       endpoint=endpoint_name("arithmetic-20250101-120000"))
+                       job_id="01000000")
 
 
 def line_of(text: str, cid: str) -> str:
@@ -131,10 +129,11 @@ def test_a_restart_caused_by_a_sibling_is_not_shown_as_a_failure() -> None:
 
 def test_header_shows_run_step_reward_restarts_uptime_and_snapshot_age() -> None:
     header = render_text(view(age_s=0.4)).splitlines()[:3]
-    assert header[0] == "run arithmetic-20250101-120000  (runs/arithmetic-20250101-120000)"
+    assert header[0] == ("run arithmetic-20250101-120000  name arithmetic  "
+                         "(runs/arithmetic-20250101-120000)")
     assert header[1].split("   ") == ["step 12/100", "last reward 0.413", "restarts 2",
                                       "uptime 40s", "snapshot 0.4s old"]
-    assert "driver pid 99 on box" in header[2] and "127.0.0.1:6379" in header[2]
+    assert "driver pid 99 on box" in header[2] and "127.0.0.1:6379  job 01000000" in header[2]
 
 
 def test_header_names_the_warm_start_before_the_first_rl_step() -> None:
@@ -175,34 +174,63 @@ def test_ages_read_as_seconds_minutes_and_hours() -> None:
 
 # ------------------------------------------------------------------ choosing a job
 
-def test_no_endpoint_means_no_running_job() -> None:
-    choice = choose_endpoint([], None, "auto")
-    assert (choice.name, choice.exit_code) == (None, 1)
-    assert choice.message == "erlay: no running erlay job found at auto"
+def job(run_id: str, job_id: str, alive: bool = True, name: str = "") -> JobEntry:
+    return JobEntry(job_id=job_id, run_id=run_id, name=name or run_id.split("-")[0],
+                    run_dir=f"/runs/{run_id}", alive=alive)
 
 
-def test_the_only_job_is_chosen_without_run() -> None:
-    assert choose_endpoint([PREFIX + "a-1"], None, "x").name == PREFIX + "a-1"
+def test_no_running_job_is_exit_1() -> None:
+    for jobs in ([], [job("a-1", "01000000", alive=False)]):
+        choice = choose_job(jobs, None, "auto")
+        assert (choice.job, choice.exit_code) == (None, 1)
+        assert choice.message == "erlay: no running erlay job found at auto"
 
 
-def test_several_jobs_are_listed_and_run_is_asked_for() -> None:
-    choice = choose_endpoint([PREFIX + "a-1", PREFIX + "b-2"], None, "x")
-    assert choice.exit_code == 2 and "--run NAME" in choice.message
-    assert choice.message.splitlines()[1:] == ["  a-1", "  b-2"]
+def test_the_only_running_job_is_chosen_without_asking() -> None:
+    jobs = [job("a-1", "01000000", alive=False), job("b-2", "02000000")]
+    assert choose_job(jobs, None, "x").job == jobs[1]
 
 
-def test_run_picks_by_exact_id_then_by_unique_prefix() -> None:
-    names = [PREFIX + "arith-1", PREFIX + "arith-10", PREFIX + "tools-1"]
-    assert choose_endpoint(names, "arith-1", "x").name == PREFIX + "arith-1"
-    assert choose_endpoint(names, "tools", "x").name == PREFIX + "tools-1"
-    assert choose_endpoint(names, "arith", "x").exit_code == 2
-    missing = choose_endpoint(names, "nope", "x")
-    assert missing.exit_code == 1 and "no running erlay job named 'nope'" in missing.message
+def test_several_running_jobs_are_listed_with_the_flag_and_none_is_picked() -> None:
+    jobs = [job("a-1", "01000000"), job("b-2", "02000000"), job("c-3", "03000000", False)]
+    choice = choose_job(jobs, None, "x")
+    assert choice.job is None and choice.exit_code == 2
+    assert "--job NAME_OR_ID" in choice.message
+    rows = [line.split() for line in choice.message.splitlines()[1:]]
+    assert rows == [["NAME", "ID", "RAY", "JOB", "STATE", "RUN", "DIR"],
+                    ["a", "a-1", "01000000", "running", "/runs/a-1"],
+                    ["b", "b-2", "02000000", "running", "/runs/b-2"]]
+
+
+def test_job_picks_by_run_id_name_or_ray_job_id_then_by_unique_prefix() -> None:
+    jobs = [job("arith-1", "01000000"), job("arith-10", "02000000"),
+            job("tools-1", "03000000", name="toolrun")]
+    assert choose_job(jobs, "arith-1", "x").job == jobs[0]  # exact beats prefix
+    assert choose_job(jobs, "toolrun", "x").job == jobs[2]
+    assert choose_job(jobs, "02000000", "x").job == jobs[1]
+    assert choose_job(jobs, "tools", "x").job == jobs[2]
+    several = choose_job(jobs, "arith", "x")  # both named "arith": listed, not picked
+    assert several.exit_code == 2 and several.job is None and "arith-10" in several.message
+    missing = choose_job(jobs, "nope", "x")
+    assert missing.exit_code == 1 and "no erlay job 'nope'" in missing.message
+    assert "tools-1" in missing.message
+
+
+def test_a_named_job_that_ended_is_still_found_but_a_running_twin_wins() -> None:
+    old, new = job("a-1", "01000000", alive=False), job("a-2", "02000000")
+    assert choose_job([old], "a-1", "x").job == old  # shows how it ended
+    assert choose_job([old, new], "a", "x").job == new
+
+
+def test_a_dead_driver_without_an_outcome_is_shown_as_ended() -> None:
+    gone = status_view({"doc": doc(), "age_s": 30.0}, address="x", job_id="01", alive=False)
+    assert not gone["running"] and not gone["stale"]
+    assert render_text(gone).startswith("ENDED ENDED (exit code ?): the driver exited")
 
 
 def status_args(address: str, **kw: Any) -> argparse.Namespace:
-    return argparse.Namespace(**{"address": address, "run": None, "watch": False,
-                                 "interval": 1.0, "json": False, **kw})
+    return argparse.Namespace(**{"address": address, "run_dir": None, "job": None,
+                                 "watch": False, "interval": 1.0, "json": False, **kw})
 
 
 def free_port() -> int:
@@ -218,44 +246,14 @@ def test_no_cluster_at_the_address_exits_1_with_the_message(
     assert f"erlay: no running erlay job found at {address}" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------- the endpoint on Ray
-
-@pytest.mark.ray
-def test_endpoint_serves_the_last_snapshot_and_leaves_with_its_publisher(
-        fresh_ray: None, capsys: pytest.CaptureFixture[str]) -> None:
-    import ray
-
-    from erlay.supervisor.raylocal import ensure_ray
-    address = ensure_ray(num_cpus=2, include_dashboard=False)["address"]
-    calls: list[int] = []
-
-    def collect() -> dict[str, Any]:
-        calls.append(len(calls))
-        if len(calls) > 3:
-            raise RuntimeError("the tree is restarting")  # skipped, never raised
-        return doc(step=len(calls) - 1)
-
-    publisher = StatusPublisher(endpoint_name("run-a"), collect, interval_s=0.05)
-    twin = StatusPublisher(endpoint_name("run-a"), lambda: doc(), interval_s=0.05)
-    try:
-        publisher.start()
-        twin.start()  # same run id elsewhere: its endpoint gets a distinct name
-        assert twin.name == endpoint_name("run-a") + "#2"
-        wait_for(lambda: len(calls) >= 6, timeout=20, what="failing ticks after three good")
-        assert publisher.published == 3
-        read = cast(dict[str, Any], wait_for(lambda: read_endpoint(publisher.name),
-                                             what="a snapshot"))
-        assert read["doc"]["job"]["step"] == 2  # the last good one, aging
-        assert find_endpoints() == [endpoint_name("run-a"), endpoint_name("run-a") + "#2"]
-        assert cli_status(status_args(address, run="run-a#2")) == 0
-        assert "erlay [one_for_one]" in capsys.readouterr().out
-    finally:
-        publisher.stop()
-        twin.stop()
-    wait_for(lambda: find_endpoints() == [], what="the endpoints gone")
-    assert cli_status(status_args(address)) == 1
-    assert f"erlay: no running erlay job found at {address}" in capsys.readouterr().err
-    ray.shutdown()
+def test_a_run_dir_names_its_cluster_or_says_why_it_cannot(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_status(status_args(None, run_dir=str(tmp_path))) == 1
+    assert "status.json does not exist" in capsys.readouterr().err
+    address = f"127.0.0.1:{free_port()}"  # the run's cluster is gone
+    (tmp_path / "status.json").write_text(json.dumps({"address": address, "job_id": "01"}))
+    assert cli_status(status_args(None, run_dir=str(tmp_path))) == 1
+    assert f"no running erlay job found at {address}" in capsys.readouterr().err
 
 
 # ------------------------------------------------------- a real job, the real CLI
@@ -267,10 +265,10 @@ def erlay_status(*args: str) -> subprocess.CompletedProcess[str]:
                           env=env, capture_output=True, text=True, timeout=120)
 
 
-def live_row(name: str) -> dict[str, Any] | None:
-    """The engine's row as published (read in-process through the endpoint), once the tree
-    has booted."""
-    read = read_endpoint(name)
+def live_row(cluster: Cluster, job_id: str) -> dict[str, Any] | None:
+    """The engine's row as published (read in-process from the GCS), once the tree has
+    booted."""
+    read = cluster.read(job_id)
     if read is None or read["doc"]["tree"]["status"] != "running":
         return None
     return {c["path"]: c for c in flatten(read["doc"]["tree"])}[ENGINE]
@@ -281,6 +279,16 @@ def cli_row(address: str) -> dict[str, Any]:
     out = erlay_status("--json", "--address", address)
     assert out.returncode == 0, out.stderr[-2000:]
     return {c["path"]: c for c in json.loads(out.stdout)["children"]}[ENGINE]
+
+
+def engine_repr() -> str:
+    """The Repr column the dashboard shows for the engine's actor (from the GCS)."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+    handle = ray.get_actor(ENGINE)
+    info = state._connect_and_get_accessor().get_actor_info(handle._actor_id)
+    return str(gcs_pb2.ActorTableData.FromString(info).repr_name)
 
 
 @pytest.mark.ray
@@ -304,16 +312,20 @@ def test_cli_shows_a_sigkilled_engine_restarted_in_the_live_tree(tmp_path: Path,
         wait_for(lambda: job.tree is not None and job.tree.alive, timeout=120,
                  what="the job's tree")
         address = ray.get_runtime_context().gcs_address
-        name = endpoint_name(job.run_dir.path.name)
-        before = cast(dict[str, Any], wait_for(lambda: live_row(name), timeout=120,
+        cluster, job_id = Cluster(address), ray.get_runtime_context().get_job_id()
+        before = cast(dict[str, Any], wait_for(lambda: live_row(cluster, job_id), timeout=120,
                                                what="the booted tree published"))
         assert before["incarnation"] == 1 and before["restarts"] == 0
         os.kill(int(before["info"]["pid"]), signal.SIGKILL)
-        wait_for(lambda: (row := live_row(name)) and row["incarnation"] >= 2
+        wait_for(lambda: (row := live_row(cluster, job_id)) and row["incarnation"] >= 2
                  and row["status"] == "running", timeout=90, interval=0.2,
                  what="the restarted engine published")
         after = cli_row(address)  # what a user on this machine sees
         assert after["restarts"] >= 1 and after["incarnation"] >= 2, after
+        (entry,) = cluster.jobs()  # the run's identity, in Ray's job metadata
+        assert (entry.name, entry.run_id, entry.config) == (
+            cfg.run.name, job.run_dir.path.name, str(job.run_dir.config))
+        assert engine_repr() == f"{ENGINE} running inc={after['incarnation']}"
         assert after["status"] == "running" and after["last_exit"].startswith("error")
         assert after["info"]["pid"] != before["info"]["pid"]
         text = erlay_status("--address", address)
