@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,6 +97,10 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
     args = ["run", str(CONFIG), *SMALL, f"run.steps={steps}", "--no-progress"]
     reference = erlay(*args, f"run.run_dir={tmp_path / 'ref'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
+    # --no-progress: one log line per RL step in place of the bar
+    progress = re.findall(r"erlay\.progress: step (\d+)/6 reward \S+ tokens/s \S+ restarts 0$",
+                          reference.stderr, re.MULTILINE)
+    assert progress == [str(n) for n in range(1, steps + 1)], reference.stderr[-3000:]
     (ref_dir,) = (tmp_path / "ref").iterdir()
 
     killed = subprocess.Popen([sys.executable, "-m", "erlay.supervisor.cli", *args,
@@ -128,4 +133,13 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
     assert [m["reward_mean"] for m in got] == [m["reward_mean"] for m in want]
     assert consumed(run_dir) == consumed(ref_dir)
     check_exactly_once(consumed(run_dir), steps, 32)
-    assert "status: **finished**" in (run_dir / "summary.md").read_text()
+    summary = (run_dir / "summary.md").read_text()
+    assert "status: **finished**" in summary
+    # The summary is the whole run's: both driver runs and the outage between them.
+    wall = re.search(r"^- wall time: ([\d.]+) s \(2 driver runs: ([\d.]+) s, ([\d.]+) s; and "
+                     r"the outage\)$", summary, re.MULTILINE)
+    outage = re.search(r"^- time lost to the outage: ([\d.]+) s", summary, re.MULTILINE)
+    assert wall and outage, summary
+    total, first, second, lost = (float(x) for x in (*wall.groups(), outage.group(1)))
+    assert lost > 0 and total == pytest.approx(first + second + lost, abs=0.2)
+    assert "- RL steps: 6\n" in summary and "/s over the RL time)" in summary
