@@ -17,14 +17,16 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
 class RunCommand:
     """``erlay run``: 0 when every configured step trained; 1 when the job failed at run
     time (a domain failed, the root escalated, a plug-in kept failing, the job stalled);
-    2 for a bad config or plug-in, found before anything started.  The last line names the
-    domain and the cause."""
+    2 for a bad config or plug-in, or a ``run.run_dir`` that is not new or empty, found before
+    anything started.  The first line is the run directory's absolute path; the last names
+    the domain and the cause."""
 
     name: str = "run"
     help: str = "run an RL job from a YAML config"
@@ -66,17 +68,27 @@ class RunCommand:
             return 2
         if args.address:
             overrides.append(f"ray.address={args.address}")
+        from erlay.actors.rundir import RunDirError, run_location
         try:
             cfg = load_config(config, overrides)
+            if not args.resume:  # a run_dir in use: said before the slower checks
+                run_location(cfg.run.storage, cfg.run.run_dir)
             from erlay.actors.job.preflight import preflight
             preflight(cfg)
-        except ConfigError as exc:
+        except (ConfigError, RunDirError) as exc:
             print(f"erlay: {exc}", file=sys.stderr)
             return 2
-        from erlay.actors.job import Job
         if not args.resume:
-            run_dir = RunDir.create(cfg.run.run_dir, cfg.run.name)
-        print(f"erlay: {'resuming' if args.resume else 'run directory'} {run_dir.path}")
+            try:
+                run_dir = RunDir.create_for(cfg.run.name, cfg.run.storage, cfg.run.run_dir)
+            except (RunDirError, OSError) as exc:  # taken meanwhile; storage not writable
+                print(f"erlay: cannot create the run directory: {exc}", file=sys.stderr)
+                return 2
+        # The first line of the job's log (``ray job logs`` included): where everything goes.
+        print(f"erlay: {'resuming' if args.resume else 'run directory'} "
+              f"{run_dir.path.absolute()}", flush=True)
+        self._warn_if_in_ray_working_dir(run_dir.path.absolute())
+        from erlay.actors.job import Job
         if args.no_progress:  # the per-step lines take the bar's place, on stderr
             import logging
             logging.getLogger("erlay.progress").setLevel(logging.INFO)
@@ -90,6 +102,14 @@ class RunCommand:
             return 1
         print(f"erlay: finished: {cfg.run.steps} steps trained; {run_dir.path}")
         return 0
+
+    @staticmethod
+    def _warn_if_in_ray_working_dir(path: Path) -> None:
+        from erlay.actors.rundir import in_ray_working_dir
+        if in_ray_working_dir(path, Path.cwd()):
+            print("erlay: warning: the run directory is inside Ray's temporary copy of the "
+                  "working directory, which Ray deletes with the job; give run.storage (or "
+                  "ERLAY_STORAGE) an absolute path", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

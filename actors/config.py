@@ -39,13 +39,38 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = Field("erlay", description="run name; the run directory is <run_dir>/<name>-<time>")
-    run_dir: str = Field("runs", description="parent directory of run directories")
+    """Where the run's directory goes: exactly ``run_dir`` when set, else the auto-named
+    ``<storage>/<name>-<YYYYmmdd-HHMMSS>`` (:meth:`erlay.actors.rundir.RunDir.create_for`).
+    ``run_dir`` used to be the parent of auto-named run directories; that meaning is now
+    ``storage``'s, and a ``run_dir`` that is not empty is refused with a pointer to it, so an
+    old config fails loudly instead of mixing runs in one directory."""
+
+    name: str = Field("erlay", description="run name; an auto-named run directory is "
+                      "<storage>/<name>-<YYYYmmdd-HHMMSS>")
+    storage: str | None = Field(None, description="directory under which every auto-named "
+                                "run directory goes, local or on a shared filesystem "
+                                "(null: $ERLAY_STORAGE, else ~/erlay-runs; relative: to the "
+                                "working directory); remote s3:// or gs:// is not supported "
+                                "yet")
+    run_dir: str | None = Field(None, description="this run's directory, exactly, instead of "
+                                "an auto-named one under storage; it must be new or empty")
     seed: int = Field(0, description="seed for data order, sampling and initialisation")
     steps: int = Field(100, ge=1, description="RL steps (learner updates)")
     stall_timeout_s: float = Field(1800.0, gt=0, description="a job that reports no progress "
                                    "(no step, no warm start) for this long is stopped as "
                                    "stalled, exit code 1")
+
+    @field_validator("storage", "run_dir")
+    @classmethod
+    def _local_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("must be a directory path, or null for the default")
+        if "://" in value:
+            raise ValueError("remote storage is not supported yet; give a local or "
+                             "shared-filesystem directory")
+        return value
 
 
 class RaySection(Section):

@@ -1,6 +1,11 @@
 """The run directory: everything a run leaves behind, readable after a crash.
 
-    <run_dir>/<name>-<YYYYmmdd-HHMMSS>/
+Where it goes (:meth:`RunDir.create_for`): exactly ``run.run_dir`` when set; else
+``<storage>/<name>-<YYYYmmdd-HHMMSS>``, with ``storage`` from ``run.storage``, else
+``$ERLAY_STORAGE``, else ``~/erlay-runs``: a stable place outside Ray's temporary directories,
+which ``ray job submit``'s copy of the working directory is one of.
+
+    <storage>/<name>-<YYYYmmdd-HHMMSS>/     (or run.run_dir)
         config.yaml      the resolved configuration
         metrics.jsonl    one object per warm start / RL step, flushed as written
         events.jsonl     every supervisor event (starts, exits, restarts, escalations)
@@ -18,16 +23,90 @@ erlay.actors.observe.timing (pure: wall, outage and RL time across --resume).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from erlay.actors.observe.goodput import not_trained, trained_tokens
 from erlay.actors.observe.timing import RunTiming, run_timing, split_segments
+from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.events import EventKind, read_events
+
+STORAGE_ENV = "ERLAY_STORAGE"
+DEFAULT_STORAGE = "~/erlay-runs"
+
+
+class RunDirError(ErlayError):
+    """The configured run directory cannot be used; the message says why and what to set."""
+
+
+def expand_path(raw: str, env: Mapping[str, str], cwd: Path) -> Path:
+    """``raw`` as an absolute path: ``~`` is ``env['HOME']``, a relative path is under
+    ``cwd``.  Not resolved: a symlinked shared mount keeps the name the user gave."""
+    if raw == "~" or raw.startswith("~/"):
+        home = env.get("HOME") or str(Path.home())
+        raw = home + raw[1:]
+    path = Path(raw)
+    return path if path.is_absolute() else cwd / path
+
+
+def storage_root(storage: str | None, env: Mapping[str, str], cwd: Path) -> Path:
+    """The directory auto-named run directories go under: ``storage``, else
+    ``env[ERLAY_STORAGE]``, else ``~/erlay-runs``.  Raises :class:`RunDirError` for a remote
+    URL (``s3://``, ``gs://``), which only the environment variable can still carry here:
+    ``run.storage`` itself is checked when the config loads."""
+    raw = storage or env.get(STORAGE_ENV) or DEFAULT_STORAGE
+    if "://" in raw:
+        source = "run.storage" if storage else STORAGE_ENV
+        raise RunDirError(f"{source}={raw}: remote storage is not supported yet; give a local "
+                          "or shared-filesystem directory")
+    return expand_path(raw, env, cwd)
+
+
+def check_exact(path: Path) -> None:
+    """``path`` may become one run's directory: it does not exist, or is an empty directory.
+    Otherwise :class:`RunDirError` says what to do instead (resume the run it holds, or name
+    the parent of auto-named runs with ``run.storage``, what ``run.run_dir`` used to be)."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise RunDirError(f"run.run_dir {path} exists and is not a directory")
+    if (path / "config.yaml").is_file():
+        raise RunDirError(f"run.run_dir {path} already holds a run; continue it with "
+                          f"`erlay run --resume {path}`, or give a new directory")
+    if any(path.iterdir()):
+        raise RunDirError(f"run.run_dir {path} is not empty; run.run_dir names one run's "
+                          f"directory exactly. For a parent of auto-named run directories, "
+                          f"set run.storage={path}")
+
+
+def run_location(storage: str | None, run_dir: str | None,
+                 env: Mapping[str, str] | None = None,
+                 cwd: Path | None = None) -> tuple[Path, bool]:
+    """Where a run's directory goes, checked, nothing created: ``(path, True)`` for the
+    exact ``run_dir``, ``(parent, False)`` for an auto-named one under the storage root.
+    ``env`` and ``cwd`` default to the process's.  Raises :class:`RunDirError` for a
+    ``run_dir`` that is not new or empty, and for a remote ``ERLAY_STORAGE``."""
+    env = os.environ if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    if run_dir:
+        path = expand_path(run_dir, env, cwd)
+        check_exact(path)
+        return path, True
+    return storage_root(storage, env, cwd), False
+
+
+def in_ray_working_dir(path: Path, cwd: Path) -> bool:
+    """Whether ``path`` lies in Ray's temporary copy of a job's working directory (``cwd``
+    under ``.../runtime_resources/working_dir_files/``), which Ray deletes with the job."""
+    if "working_dir_files" not in cwd.parts:
+        return False
+    return path == cwd or cwd in path.parents
 
 
 def reward_window(values: list[float], fraction: float = 0.1) -> tuple[float, float]:
@@ -46,13 +125,29 @@ class RunDir:
 
     @staticmethod
     def create(parent: str | Path, name: str) -> RunDir:
+        """A new ``<parent>/<name>-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``... when taken).  The
+        directory is claimed by an exclusive mkdir, so two jobs starting in the same second
+        on a shared storage each get their own."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = Path(parent) / f"{name}-{stamp}"
+        Path(parent).mkdir(parents=True, exist_ok=True)
         path, n = base, 1
-        while path.exists():
-            n += 1
-            path = Path(f"{base}-{n}")
-        return RunDir(path)
+        while True:
+            try:
+                path.mkdir()
+                return RunDir(path)
+            except FileExistsError:
+                n += 1
+                path = Path(f"{base}-{n}")
+
+    @staticmethod
+    def create_for(name: str, storage: str | None = None, run_dir: str | None = None,
+                   env: Mapping[str, str] | None = None, cwd: Path | None = None) -> RunDir:
+        """The run directory a config asks for (``run.name``, ``run.storage``,
+        ``run.run_dir``), created, with an absolute path.  ``env`` and ``cwd`` default to the
+        process's.  Raises :class:`RunDirError` as :func:`run_location` does."""
+        path, exact = run_location(storage, run_dir, env, cwd)
+        return RunDir(path) if exact else RunDir.create(path, name)
 
     @staticmethod
     def open(path: str | Path) -> RunDir:

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_job(config: Path, overrides: list[str], parent: Path, name: str) -> tuple[Any, RunDir]:
-    cfg = load_config(config, [*overrides, f"run.run_dir={parent}"])
+    cfg = load_config(config, [*overrides, f"run.storage={parent}"])
     run_dir = RunDir.create(parent, name)
     result = Job(cfg, run_dir).run(progress=False)
     shutdown_ray()

@@ -76,7 +76,7 @@ def overrides(steps: int, parent: Path) -> list[str]:
             "rollout.prompts_per_step=32", "rollout.group_size=8", "engine.num_engines=2",
             "engine.max_new_tokens=5", "engine.chunk_tokens=1", "checkpoint.every_steps=4",
             "supervision.generation.intensity=20", "ray.num_cpus=4",
-            f"run.run_dir={parent}"]
+            f"run.storage={parent}"]
 
 
 def turn_of(request_id: str) -> str:

@@ -90,7 +90,7 @@ class ChaosResult:
 def job_config(scenario: Scenario, config: Path | None, parent: Path,
                extra: list[str] | None = None) -> JobConfig:
     return load_config(config or scenario.config_path,
-                       [*scenario.overrides, f"run.run_dir={parent}", *(extra or [])])
+                       [*scenario.overrides, f"run.storage={parent}", *(extra or [])])
 
 
 def run_scenario(scenario: Scenario, *, config: Path | None = None,
@@ -397,7 +397,7 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
     delay = fault.at if fault.at is not None else 5.0
     args = [sys.executable, "-m", "erlay.supervisor.cli", "run",
             str(config or scenario.config_path),
-            *scenario.overrides, f"run.run_dir={parent / f'{scenario.name}-{name}'}",
+            *scenario.overrides, f"run.storage={parent / f'{scenario.name}-{name}'}",
             "--no-progress"]
     watch = ProcessWatch().start()
     started = time.time()

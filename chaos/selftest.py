@@ -75,7 +75,7 @@ class _Sample:
 
 def build_clean(root: Path) -> Built:
     """Write a clean four-step run under ``root`` with erlay's own writers."""
-    cfg = load_config(None, ["rollout.max_staleness=0", f"run.run_dir={root}"])
+    cfg = load_config(None, ["rollout.max_staleness=0", f"run.storage={root}"])
     run_dir = RunDir.create(root, "selftest")
     memory = MemoryTransitions()
     ledger = LearnerLedger(run_dir.ledger)

@@ -30,6 +30,20 @@ def wait_for(pred: Callable[[], object], timeout: float = 30.0, interval: float 
     raise AssertionError(f"{what} not reached within {timeout} s (last error: {last!r})")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def erlay_storage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every auto-named run directory of the suite goes under a temporary directory: never
+    the user's ``~/erlay-runs`` (the default) nor a CI's own ``ERLAY_STORAGE``.  Subprocesses
+    and Ray jobs the tests start inherit it."""
+    previous = os.environ.get("ERLAY_STORAGE")
+    os.environ["ERLAY_STORAGE"] = str(tmp_path_factory.mktemp("erlay-runs"))
+    yield
+    if previous is None:
+        os.environ.pop("ERLAY_STORAGE", None)
+    else:
+        os.environ["ERLAY_STORAGE"] = previous
+
+
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
     """A local Ray for one test module, with more logical CPUs than the machine has."""

@@ -206,7 +206,7 @@ def test_erlay_run_with_a_bad_row_exits_2_with_one_line_and_starts_nothing(
     runs = tmp_path / "runs"
     result = subprocess.run(
         [sys.executable, "-m", "erlay.supervisor.cli", "run", str(GSM), f"data.train={bad}",
-         "data.metadata=[]", f"run.run_dir={runs}", "--no-progress"],
+         "data.metadata=[]", f"run.storage={runs}", "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [

@@ -125,7 +125,7 @@ def test_validation_runs_every_n_steps_apart_from_training(tmp_path: Path,
         f"run.steps={steps}", f"data.validation_every={every}", f"data.validation_size={size}",
         "warm_start.steps=3", f"rollout.prompts_per_step={PROMPTS}",
         f"rollout.group_size={GROUP}", "rollout.max_staleness=0", "ray.num_cpus=4",
-        f"run.run_dir={tmp_path}"])
+        f"run.storage={tmp_path}"])
     job = Job(cfg, RunDir.create(tmp_path, "val"))
     result = job.run(progress=False)
     assert result.status == "finished", result.reason

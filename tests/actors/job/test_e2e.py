@@ -31,7 +31,7 @@ def test_the_arithmetic_job_runs_end_to_end(tmp_path: Path, fresh_ray: None) -> 
     steps (gain >= 0.3, docs/performance.md), not here: over 120 steps the gain measured
     -0.01 to 0.10 across seven runs on 2026-12-01, so a bar on it was a coin flip."""
     cfg = load_config(CONFIGS / "cpu.yaml", [
-        "run.steps=120", "warm_start.steps=250", f"run.run_dir={tmp_path}",
+        "run.steps=120", "warm_start.steps=250", f"run.storage={tmp_path}",
         "learner.lr_decay_steps=0", "ray.num_cpus=4"])
     job = Job(cfg, RunDir.create(tmp_path, "e2e"))
     result = job.run(progress=False)
@@ -62,7 +62,7 @@ def test_tool_use_calls_the_sandbox_and_observes_its_output(tmp_path: Path,
                                                             fresh_ray: None) -> None:
     cfg = load_config(CONFIGS / "tool_use.yaml", [
         "run.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        f"run.run_dir={tmp_path}", "ray.num_cpus=4",
+        f"run.storage={tmp_path}", "ray.num_cpus=4",
         # with MTP heads trained beside RL and self-speculation in the engine (issue 9)
         "model.mtp_heads=2", "engine.spec_k=2", "learner.mtp_loss_weight=0.5"])
     transitions = MemoryTransitions()

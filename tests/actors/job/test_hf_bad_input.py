@@ -40,7 +40,7 @@ def refused(capsys: pytest.CaptureFixture[str], tmp_path: Path, *overrides: str)
     created no run directory and started no Ray; returns the line."""
     import ray
     run_dir = tmp_path / "runs"
-    code = main(["run", CPU, *overrides, f"run.run_dir={run_dir}"])
+    code = main(["run", CPU, *overrides, f"run.storage={run_dir}"])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert err.startswith("erlay: ") and "\n" not in err, err
@@ -53,7 +53,7 @@ def test_a_model_path_that_does_not_exist_through_the_installed_command(
     erlay = Path(sys.executable).with_name("erlay")
     env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
     result = subprocess.run([str(erlay), "run", CPU, f"model.hf={tmp_path / 'nope'}",
-                             f"run.run_dir={tmp_path / 'runs'}"], capture_output=True,
+                             f"run.storage={tmp_path / 'runs'}"], capture_output=True,
                             text=True, timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().count("\n") == 0 and "does not exist" in result.stderr
@@ -79,7 +79,7 @@ def test_a_tokenizer_without_a_chat_template_while_chat_is_on(
     assert "data.chat is true but the tokenizer has no chat template" in line
     # the same model without chat formatting gets past the model checks
     assert main(["run", CPU, f"model.hf={bad['no_template']}", "engine.max_new_tokens=99",
-                 f"run.run_dir={tmp_path / 'runs'}"]) == 2
+                 f"run.storage={tmp_path / 'runs'}"]) == 2
     assert "engine.max_new_tokens" in capsys.readouterr().err
 
 

@@ -37,7 +37,7 @@ def test_job_on_vllm_survives_an_engine_core_kill(tmp_path: Path, fresh_ray: Non
     cfg = load_config(CONFIGS / "vllm.yaml", [
         "run.steps=4", "warm_start.steps=20", "engine.num_engines=2", "engine.chunk_tokens=1",
         "rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_staleness=0",
-        "ray.num_cpus=4", f"run.run_dir={tmp_path}"])
+        "ray.num_cpus=4", f"run.storage={tmp_path}"])
     memory = MemoryTransitions()
     job = Job(cfg, RunDir.create(tmp_path, "vllm"), transitions=memory)
     killed: dict[str, object] = {}

@@ -165,7 +165,7 @@ def test_erlay_run_with_a_bad_plugin_exits_2_with_one_line_and_starts_nothing(
     result = subprocess.run(
         [sys.executable, "-m", "erlay.supervisor.cli", "run", "configs/cpu.yaml",
          "environment.class=tests.environments.custom_env:OnlyReset",
-         f"run.run_dir={tmp_path}", "--no-progress"],
+         f"run.storage={tmp_path}", "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -1,21 +1,29 @@
-"""The same job through `ray job submit`, on a loopback `ray start --head` cluster."""
+"""The README's and docs/cluster.md's ``ray job submit`` command, run as written against a
+loopback ``ray start --head`` with Ray's default token authentication on."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.paths import REPO
 
-ROOT = REPO
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+CLUSTER_DOC = REPO / "docs" / "cluster.md"
+README = REPO / "README.md"
+# A two-step job: the command as documented, with these overrides appended.
+TINY = ["run.steps=2", "warm_start.steps=2", "warm_start.examples=16", "warm_start.batch_size=4",
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_staleness=0"]
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def free_port() -> int:
@@ -24,65 +32,116 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_ray_job_submit_runs_the_job_to_success(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import ray
-    if ray.is_initialized():
-        ray.shutdown()
+def kill_session(sid: int) -> None:
+    """SIGKILL what is left of session ``sid``: Ray's workers take process groups of their
+    own, which a kill of the head's group does not reach."""
+    import psutil
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid:
+                proc.kill()
+        except (OSError, psutil.Error):
+            continue
+
+
+def submit_block(page: Path, heading: str) -> str:
+    """The first fenced bash block after ``heading`` in ``page`` that runs ``ray job
+    submit``, as written."""
+    text = page.read_text(encoding="utf-8")
+    section = text[text.index(heading):]
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        if "ray job submit" in block:
+            return block
+    raise AssertionError(f"{page.name}: no `ray job submit` block after {heading!r}")
+
+
+def runnable(block: str, dashboard: int) -> str:
+    """``block`` against the loopback head, its ``erlay run`` made a two-step job."""
+    assert "http://HEAD:8265" in block and block.rstrip().endswith(
+        "erlay run configs/cpu.yaml --no-progress"), block
+    return block.replace("HEAD:8265", f"127.0.0.1:{dashboard}").rstrip() + " " + " ".join(TINY)
+
+
+def test_the_readme_shows_the_same_command_as_the_cluster_doc() -> None:
+    assert submit_block(README, "## Running on a cluster") == \
+        submit_block(CLUSTER_DOC, "## Submitting")
+
+
+def unauthenticated_status(url: str, timeout_s: float) -> int:
+    """The HTTP status of a GET without a token, once the dashboard answers at all."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except OSError:  # not up yet: connection refused
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_documented_ray_job_submit_runs_with_token_auth(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
+    # A fresh user: Ray's defaults, erlay's `erlay` and `ray` on PATH, no storage set.  The
+    # token lives in this HOME, so the user's own ~/.ray is never touched.
+    env = {**os.environ, "HOME": str(home), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    for var in ("RAY_ADDRESS", "ERLAY_STORAGE", *AUTH_VARS):
+        env.pop(var, None)
+    # What any local ray.init() (a local `erlay run` included) leaves: ~/.ray/auth_token.
+    subprocess.run(["ray", "get-auth-token", "--generate"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    assert (home / ".ray" / "auth_token").is_file()
     # Every port on a free one: Ray's fixed defaults (the dashboard agent's 52365 above
     # all) may still be held by an agent of another Ray on this machine.
     gcs, dashboard, agent = free_port(), free_port(), free_port()
     head = subprocess.Popen(
-        [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}",
+        ["ray", "start", "--head", "--block", f"--port={gcs}",
          "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}",
          "--num-cpus=4", "--include-dashboard=true"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard}"
-    # The job SDK talks plain HTTP to the dashboard.  Set for this test only: later tests
-    # in this process start their own Ray, and Ray caches its auth settings per process.
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    from ray.job_submission import JobStatus, JobSubmissionClient
     try:
-        client = None
-        for _ in range(60):  # the dashboard takes a few seconds to come up
-            try:
-                client = JobSubmissionClient(address)
+        # Token authentication is on (Ray's default with a token present): no token, 401.
+        status = unauthenticated_status(f"http://127.0.0.1:{dashboard}/api/jobs/", 90)
+        assert status == 401, f"the jobs API answered {status} without a token"
+        command = runnable(submit_block(CLUSTER_DOC, "## Submitting"), dashboard)
+        without_export = command.replace("export RAY_AUTH_MODE=token", "")
+        assert without_export != command
+        # The failure the docs prevent: the client sends no token without RAY_AUTH_MODE.
+        bare = subprocess.run(["bash", "-c", without_export], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert bare.returncode != 0 and "Authentication" in bare.stdout + bare.stderr, \
+            bare.stdout[-2000:] + bare.stderr[-2000:]
+        result = None
+        for _ in range(15):  # the job agent comes up a little after the dashboard
+            result = subprocess.run(["bash", "-e", "-c", command], cwd=REPO, env=env,
+                                    capture_output=True, text=True, timeout=240)
+            if "No available agent" not in result.stdout + result.stderr:
                 break
-            except Exception:  # not up yet: connection refused, 5xx
-                time.sleep(2)
-        assert client is not None, f"no job server at {address}"
-        # The cluster's python must have erlay's dependencies; here it is this venv's.
-        job_id = None
-        for _ in range(30):  # the job agent comes up a little after the dashboard
-            try:
-                job_id = client.submit_job(
-                    entrypoint=f"{sys.executable} -m erlay.supervisor.cli run configs/cpu.yaml "
-                               f"run.steps=3 warm_start.steps=2 --no-progress "
-                               f"run.run_dir={tmp_path}",
-                    runtime_env={"working_dir": str(ROOT)})
-                break
-            except RuntimeError as exc:  # "No available agent to submit job" (HTTP 500)
-                if "agent" not in str(exc):
-                    raise
-                time.sleep(2)
-        assert job_id is not None, "the job agent never came up"
-        deadline = time.monotonic() + 240
-        status = client.get_job_status(job_id)
-        while time.monotonic() < deadline and not status.is_terminal():
             time.sleep(2)
-            status = client.get_job_status(job_id)
-        logs = client.get_job_logs(job_id)
-        message = client.get_job_info(job_id).message
-        assert status == JobStatus.SUCCEEDED, f"{status}: {message}\n{logs[-3000:]}"
-        assert "status: **finished**" in logs
-        assert list(tmp_path.glob("arithmetic-*/summary.md"))
+        assert result is not None
+        out = result.stdout + result.stderr
+        assert result.returncode == 0 and "succeeded" in out, out[-4000:]
+        # The job's own log starts after Ray's "Running entrypoint" line; its first line is
+        # the run directory.
+        log = result.stdout.split("Running entrypoint for job", 1)[1].splitlines()[1:]
+        first = next(line for line in log if line.strip())
+        assert first.startswith("erlay: run directory /"), "\n".join(log[:12])
+        run_dir = Path(first.removeprefix("erlay: run directory ").strip())
+        # Under the stable default, not in Ray's temporary copy of the working directory.
+        assert run_dir.parent == home / "erlay-runs", run_dir
+        assert "working_dir_files" not in run_dir.parts
+        assert "status: **finished**" in (run_dir / "summary.md").read_text(encoding="utf-8")
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
+        # Ray's own shutdown of a `--block` head takes ~30 s here; the job is over, so the
+        # whole process group (the head and everything it started) goes at once.
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+        kill_session(head.pid)

@@ -34,7 +34,7 @@ def run(tmp_path: Path, name: str, kills: int) -> tuple[JobResult, Job, MemoryTr
     cfg = load_config(CONFIG, [
         "run.steps=4", "warm_start.steps=30", "rollout.max_staleness=0",
         "rollout.prompts_per_step=16", "rollout.group_size=8", "engine.num_engines=2",
-        "engine.chunk_tokens=1", "ray.num_cpus=4", f"run.run_dir={tmp_path}"])
+        "engine.chunk_tokens=1", "ray.num_cpus=4", f"run.storage={tmp_path}"])
     memory = MemoryTransitions()
     job = Job(cfg, RunDir.create(tmp_path, name), transitions=memory)
     results: list[JobResult] = []

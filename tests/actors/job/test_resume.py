@@ -52,7 +52,7 @@ def check_exactly_once(by_id: dict[str, int], steps: int, per_step: int) -> None
 def test_learner_restart_feeds_the_steps_since_its_checkpoint_again(
         tmp_path: Path, fresh_ray: None) -> None:
     steps = 7
-    cfg = load_config(CONFIG, [*SMALL, f"run.steps={steps}", f"run.run_dir={tmp_path}"])
+    cfg = load_config(CONFIG, [*SMALL, f"run.steps={steps}", f"run.storage={tmp_path}"])
     job = Job(cfg, RunDir.create(tmp_path, "learner-kill"))
     results: list[JobResult] = []
     runner = threading.Thread(target=lambda: results.append(job.run(progress=False)))
@@ -95,7 +95,7 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
         ray.shutdown()
     steps = 6
     args = ["run", str(CONFIG), *SMALL, f"run.steps={steps}", "--no-progress"]
-    reference = erlay(*args, f"run.run_dir={tmp_path / 'ref'}")
+    reference = erlay(*args, f"run.storage={tmp_path / 'ref'}")
     assert reference.returncode == 0, reference.stderr[-3000:]
     # --no-progress: one log line per RL step in place of the bar
     progress = re.findall(r"erlay\.progress: step (\d+)/6 reward \S+ tokens/s \S+ restarts 0$",
@@ -104,7 +104,7 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
     (ref_dir,) = (tmp_path / "ref").iterdir()
 
     killed = subprocess.Popen([sys.executable, "-m", "erlay.supervisor.cli", *args,
-                               f"run.run_dir={tmp_path / 'killed'}"], cwd=ROOT,
+                               f"run.storage={tmp_path / 'killed'}"], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:

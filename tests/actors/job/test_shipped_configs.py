@@ -46,7 +46,7 @@ def test_the_gpu_config_without_its_model_is_one_line_and_exit_2(
     import ray
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))   # an empty cache, whatever the host's
     run_dir = tmp_path / "runs"
-    code = main(["run", str(CONFIGS / "qwen2.5-0.5b-gsm8k.yaml"), f"run.run_dir={run_dir}"])
+    code = main(["run", str(CONFIGS / "qwen2.5-0.5b-gsm8k.yaml"), f"run.storage={run_dir}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err, err
     assert "local Hugging Face cache" in err or "openai/gsm8k" in err, err

@@ -26,7 +26,7 @@ def test_an_environment_failing_a_share_of_steps_fails_those_samples_only(
         tmp_path: Path, fresh_ray: None) -> None:
     cfg = load_config(REPO / "configs" / "tool_use.yaml", [
         *SHORT, FAULTY, "environment.kwargs={step: 'rate:0.2', observe: 'rate:0.2', "
-        "tool_use: true}", f"run.run_dir={tmp_path}"])
+        "tool_use: true}", f"run.storage={tmp_path}"])
     transitions = MemoryTransitions()
     job = Job(cfg, RunDir.create(tmp_path, "faulty"), transitions=transitions)
     result = job.run(progress=False)
@@ -57,7 +57,7 @@ def test_an_environment_that_always_fails_stops_the_job_with_exit_1(tmp_path: Pa
     result = subprocess.run(
         [sys.executable, "-m", "erlay.supervisor.cli", "run", "configs/cpu.yaml", *SHORT,
          "run.steps=20", FAULTY, "environment.kwargs={step: raise}",
-         f"run.run_dir={tmp_path}", "--no-progress"],
+         f"run.storage={tmp_path}", "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     last = result.stderr.strip().splitlines()

@@ -302,7 +302,7 @@ def test_cli_shows_a_sigkilled_engine_restarted_in_the_live_tree(tmp_path: Path,
     cfg = load_config(ROOT / "configs" / "cpu.yaml", [
         "run.steps=100000", "warm_start.steps=2", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "engine.num_engines=2", "ray.num_cpus=4",
-        "checkpoint.every_steps=100000", f"run.run_dir={tmp_path}"])
+        "checkpoint.every_steps=100000", f"run.storage={tmp_path}"])
     job = Job(cfg, RunDir.create(tmp_path, "status"))
     results: list[JobResult] = []
     runner = threading.Thread(target=lambda: results.append(job.run(progress=False)))
