@@ -23,7 +23,10 @@ from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
 from erlay.actors.rundir import RunDir
 from tests.paths import REPO
 
-CONFIG = REPO / "configs" / "cpu.yaml"
+# The built-in model: the replay mechanics are model-agnostic and its actors start faster;
+# token-identical resumption on HF models is tests/actors/engine/test_hf_core.py's, and the
+# chaos engine-kill scenario checks replay on the HF default.
+CONFIG = REPO / "configs" / "cpu-builtin.yaml"
 ENGINES = ("erlay/generation/engine-0", "erlay/generation/engine-1")
 pytestmark = pytest.mark.ray
 

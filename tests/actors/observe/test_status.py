@@ -299,7 +299,7 @@ def test_cli_shows_a_sigkilled_engine_restarted_in_the_live_tree(tmp_path: Path,
     from erlay.actors.config import load_config
     from erlay.actors.job.driver import Job, JobResult
     from erlay.actors.rundir import RunDir
-    cfg = load_config(ROOT / "configs" / "cpu.yaml", [
+    cfg = load_config(ROOT / "configs" / "cpu-builtin.yaml", [   # starts faster than the HF one
         "run.steps=100000", "warm_start.steps=2", "rollout.prompts_per_step=2",
         "rollout.group_size=2", "engine.num_engines=2", "ray.num_cpus=4",
         "checkpoint.every_steps=100000", f"run.storage={tmp_path}"])
