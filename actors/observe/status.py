@@ -79,8 +79,17 @@ def status_key(job_id: str) -> str:
 # ============================================================================ the shell
 
 def _kv_put(key: str, value: str) -> None:
+    """Store one snapshot, bounded by :data:`GCS_TIMEOUT_S`.
+
+    Bounded because an unbounded put still pending when the driver shuts Ray down retries
+    against the dead GCS, and after 60 s Ray's client ends the whole process ("Failed to
+    connect to GCS within 60 seconds"): in a test session, that was pytest itself."""
     from ray.experimental import internal_kv
-    internal_kv._internal_kv_put(key, value.encode(), overwrite=True, namespace=NAMESPACE)
+    client = internal_kv.internal_kv_get_gcs_client()
+    if client is None:
+        raise RuntimeError("Ray is not initialised in this process")
+    client.internal_kv_put(key.encode(), value.encode(), True, NAMESPACE.encode(),
+                           timeout=GCS_TIMEOUT_S)
 
 
 class StatusPublisher:
