@@ -43,11 +43,17 @@ def char_tokenizer(alphabet: str = ALPHABET, *, chat_template: str | None = CHAT
     """A character-level ``PreTrainedTokenizerFast``: ids 0-3 are PAD, BOS, EOS, UNK, then
     the chat markers, then one id per character of ``alphabet``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     vocab = {tok: i for i, tok in enumerate((*SPECIALS, *CHAT_TOKENS, *alphabet))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    return _wrap(core, chat_template)
+
+
+def _wrap(core: Any, chat_template: str | None) -> Any:
+    """``core`` (a ``tokenizers.Tokenizer``) as a ``PreTrainedTokenizerFast`` with erlay's
+    specials, the chat markers and ``chat_template``."""
+    from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
                                   eos_token="<eos>", unk_token="<unk>",
                                   additional_special_tokens=list(CHAT_TOKENS))
@@ -62,18 +68,12 @@ def byte_bpe_tokenizer(*, chat_template: str | None = CHAT_TEMPLATE) -> Any:
     chat markers.  Qwen2 models need this kind: ``AutoTokenizer`` rebuilds a Qwen2 model's
     tokenizer with Qwen2's byte-level pipeline, whatever the saved one was."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {tok: i for i, tok in enumerate((*SPECIALS, *CHAT_TOKENS, *byte_symbols))}
     core = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
-                                  eos_token="<eos>", unk_token="<unk>",
-                                  additional_special_tokens=list(CHAT_TOKENS))
-    if chat_template is not None:
-        tok.chat_template = chat_template
-    return tok
+    return _wrap(core, chat_template)
 
 
 def tiny_config(arch: str = "llama", *, vocab_size: int, hidden: int = 96, layers: int = 2,
