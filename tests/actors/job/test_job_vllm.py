@@ -18,7 +18,7 @@ import pytest
 
 from erlay.actors.config import load_config
 from erlay.actors.job.driver import Job
-from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
+from erlay.actors.journal.transitions import MemoryTransitions, Transition, TransitionKind
 from erlay.actors.rundir import RunDir
 from erlay.supervisor.events import EventKind, read_events
 from tests.paths import REPO
@@ -29,7 +29,24 @@ if os.environ.get("ERLAY_REQUIRE_VLLM") != "1" and os.environ.get("CI") != "true
 
 CONFIGS = REPO / "configs"
 ENGINE = "erlay/generation/engine-0"
+OTHER = "erlay/generation/engine-1"
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def streaming_rollouts(chunks: list[Transition]) -> int:
+    """Rollouts whose last journaled chunk has tokens and is not their turn's final one."""
+    last: dict[str, Transition] = {}
+    for t in chunks:
+        last[t.rollout_id] = t
+    return sum(1 for t in last.values() if t.data["token_ids"] and not t.data.get("finished"))
+
+
+def test_streaming_rollouts_counts_only_unfinished_streams() -> None:
+    def chunk(rid: str, tokens: list[int], finished: bool) -> Transition:
+        return Transition(TransitionKind.CHUNK, rid, {"token_ids": tokens, "finished": finished})
+    chunks = [chunk("a", [1], False), chunk("b", [1], False), chunk("b", [2], True),
+              chunk("c", [], False), chunk("d", [3], False), chunk("d", [4], False)]
+    assert streaming_rollouts(chunks) == 2   # a and d; b finished, c has no tokens yet
 
 
 def test_job_on_vllm_survives_an_engine_core_kill(tmp_path: Path, fresh_ray: None) -> None:
@@ -46,7 +63,6 @@ def test_job_on_vllm_survives_an_engine_core_kill(tmp_path: Path, fresh_ray: Non
         """SIGKILL engine-0's EngineCore while it streams rollouts, once RL is running."""
         deadline = time.monotonic() + 600
         target: tuple[int, list[int]] | None = None   # (EngineCore pid, group members)
-        busy_since: int | None = None   # chunks journaled when engine-0 last became busy
         while time.monotonic() < deadline:
             pool = job.coordinator.engines if job.coordinator else None
             if pool is None or not job.run_dir.rl_steps():
@@ -63,12 +79,12 @@ def test_job_on_vllm_survives_an_engine_core_kill(tmp_path: Path, fresh_ray: Non
                 except Exception:  # not serving yet: look again
                     time.sleep(0.05)
                 continue
-            chunks = len(memory.of(TransitionKind.CHUNK))
-            if not pool._load.get(ENGINE, 0):
-                busy_since = None
-            elif busy_since is None:
-                busy_since = chunks
-            elif chunks >= busy_since + 4:   # tokens are streaming: there is a prefix to resume
+            streaming = streaming_rollouts(memory.of(TransitionKind.CHUNK))
+            # Pigeonhole: more rollouts mid-stream than the other engine holds means engine-0
+            # holds one with a journaled prefix, so the kill leaves a rollout to continue.
+            # (Counting chunks alone could fire while engine-0 was still prefilling and
+            # every chunk came from engine-1: then nothing had a prefix to continue.)
+            if streaming > pool._load.get(OTHER, 0) and pool._load.get(ENGINE, 0):
                 os.kill(target[0], signal.SIGKILL)
                 killed.update(core=target[0], members=target[1])
                 return
