@@ -90,7 +90,9 @@ class InProcessChild:
             raise ChildNotRunning(f"{self.path} is not running")
         fn = getattr(self.obj, method)
         try:
-            return await _maybe_await(fn(*args, **kwargs))
+            result = fn(*args, **kwargs)
+            # Awaited here rather than through _maybe_await: one coroutine fewer per call.
+            return await result if inspect.isawaitable(result) else result
         except Exception as exc:
             self._end(from_exception(exc))
             raise

@@ -231,8 +231,12 @@ class SupervisionTree:
 class ChildRef:
     """A reference that follows a child across restarts.
 
-    For an actor child, ``ref.method.remote(...)`` calls the current incarnation; the lookup
-    is a few dictionary reads, so a supervised call costs about what a raw actor call does.
+    For an actor child, ``ref.method.remote(...)`` calls the current incarnation.  The bound
+    method is cached per incarnation (Ray's handle builds a new one on every attribute read),
+    so the lookup is a few dictionary reads and an identity check: a supervised call costs
+    what a raw actor call does (``bench/supervision.py``'s ``call_overhead_ratio``).  The
+    cache is one tuple, replaced whole, so a thread that reads it while another replaces it
+    never pairs a new incarnation with an old handle's methods.
     """
 
     def __init__(self, tree: SupervisionTree, path: str) -> None:
@@ -241,6 +245,7 @@ class ChildRef:
         parent, _, self._cid = path.rpartition("/")
         self._parent_path = parent
         self._sup: Supervisor | None = None
+        self._bound: tuple[ChildProcess | None, dict[str, Any]] = (None, {})
 
     @property
     def process(self) -> ChildProcess:
@@ -273,7 +278,16 @@ class ChildRef:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self.actor, name)
+        proc = self.process
+        bound = self._bound
+        if bound[0] is not proc:
+            if not isinstance(proc, ActorProcess):
+                raise TypeError(f"{self.path} is not an actor child")
+            bound = self._bound = (proc, {})
+        method = bound[1].get(name)
+        if method is None:
+            method = bound[1][name] = getattr(proc.handle, name)
+        return method
 
 
 async def snapshot_supervisor(sup: Supervisor) -> dict[str, Any]:
