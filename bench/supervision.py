@@ -16,12 +16,26 @@ is a miss.
 - **Restarts**: from the kill (SIGKILL, or the crashing call of an in-process child) until
   the restarted child answers a call, and the answer must carry a new incarnation:
   a stopwatch that ends on the old child's answer, or never, fails the run.
+- **Call overhead** (``call_overhead_ratio``, ``call_overhead_ratio_async``): a call of a
+  no-op method that returns the actor's ``perf_counter``, through the tree's handle
+  (``tree.ref(path).stamp.remote()``, then ``ray.get``) against the same call on a plain Ray
+  actor of the same class and options.  Both run in the shipped configuration: the default
+  config's actor environment (telemetry on, file exporter) and the driver's telemetry and
+  event sinks; failpoints disarmed, as shipped.  ``sync`` is the learner's shape (a threaded
+  actor; erlay adds its ``_erlay`` concurrency group), ``async`` the engine's.  Each figure
+  is the median of ``--pairs`` (>= 5) interleaved pairs; a pair's ratio is its median
+  supervised block over its median plain block, the side going first alternating block by
+  block.  ``call_stages_us`` splits a call: ``lookup`` (the attribute read that yields the
+  bound method: erlay's whole per-call code on the driver), ``submit`` (``.remote()``),
+  ``to_actor`` (until the method starts, on the actor's clock, the same monotonic clock on
+  one machine), ``back`` (until ``ray.get`` returns).
 - **Idle CPU**: every process of the job (the driver, Ray's gcs, raylet, agents and workers,
   the hosts and what they spawned), over idle windows, at the job's shape with stand-ins for
   the learner and the engine; against the same Ray with no tree.
 
-    python bench/supervision.py [--quick] [--runs 5] [--scale 4,16]
+    python bench/supervision.py [--quick] [--runs 5] [--scale 4,16] [--pairs 7]
                                 [--plant-no-kill FIGURE]
+    python bench/supervision.py --only calls [--pairs 7]    # the call figures alone, ~30 s
 
 ``--plant-no-kill hosted_restart_ms`` (or another restart figure) skips that kill: the run
 must then fail, naming the figure whose child never answered with a new incarnation.
@@ -59,6 +73,9 @@ from erlay.supervisor.spec import (
     SupervisorStart,
 )
 from erlay.supervisor.tree import SupervisionTree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from supervision_calls import bench_call_overhead, call_figures, print_call_table
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIG = REPO / "configs" / "cpu.yaml"
@@ -362,35 +379,6 @@ def bench_ray_native_restart(trials: int, plant: str | None) -> list[float]:
     return out
 
 
-# ---------------------------------------------------------------------- call overhead
-def bench_call_overhead(calls: int, rounds: int) -> tuple[list[float], float, float]:
-    """Per round, the median of interleaved 20-call blocks: supervised handle / plain actor.
-    Returns the round ratios and the overall medians in microseconds."""
-    import ray
-    tree = SupervisionTree("bco", LOOSE, [ChildSpec("engine", ActorStart(Target))]).start()
-    ref = tree.ref("bco/engine")
-    raw = ray.remote(num_cpus=0)(Target).remote()
-    ray.get([raw.nop.remote(), ref.nop.remote()])
-    block, ratios, all_sup, all_raw = 20, [], [], []
-    for _ in range(rounds):
-        supervised, plain = [], []
-        for _ in range(max(1, calls // (2 * block * rounds))):
-            started = time.perf_counter()
-            for _ in range(block):
-                ray.get(ref.nop.remote())
-            supervised.append((time.perf_counter() - started) / block)
-            started = time.perf_counter()
-            for _ in range(block):
-                ray.get(raw.nop.remote())
-            plain.append((time.perf_counter() - started) / block)
-        ratios.append(statistics.median(supervised) / statistics.median(plain))
-        all_sup += supervised
-        all_raw += plain
-    tree.stop()
-    ray.kill(raw)
-    return ratios, statistics.median(all_sup) * 1e6, statistics.median(all_raw) * 1e6
-
-
 # --------------------------------------------------------------------------- idle CPU
 def _cpu(proc: psutil.Process) -> float:
     times = proc.cpu_times()
@@ -496,7 +484,13 @@ def main() -> None:
                         "(components N = 2 x this), default 4,16")
     parser.add_argument("--trials", type=int, help="actor restart trials (default 10; "
                         "hosted ones 3 x this)")
-    parser.add_argument("--calls", type=int, default=8000)
+    parser.add_argument("--pairs", type=int, help="interleaved call pairs per shape "
+                        "(default 7, at least 5)")
+    parser.add_argument("--call-blocks", type=int, default=10,
+                        help="blocks per side in one call pair")
+    parser.add_argument("--call-block", type=int, default=20, help="calls per block")
+    parser.add_argument("--only", choices=["calls"],
+                        help="run one part only (its figures and the load)")
     parser.add_argument("--idle-windows", type=int, help="idle windows (default 4)")
     parser.add_argument("--idle-seconds", type=float, help="seconds per idle window (5)")
     parser.add_argument("--plant-no-kill", choices=RESTART_FIGURES, dest="plant",
@@ -507,12 +501,21 @@ def main() -> None:
     trials = args.trials or (4 if args.quick else 10)
     windows = args.idle_windows or (2 if args.quick else 4)
     window_s = args.idle_seconds or (2.0 if args.quick else 5.0)
-    calls = args.calls // 4 if args.quick else args.calls
+    pairs = max(5, args.pairs or 7)
     import logging
     logging.getLogger("erlay").setLevel(logging.ERROR)
     logging.getLogger("erlay.supervisor").setLevel(logging.ERROR)
     began, load0 = time.perf_counter(), os.getloadavg()[0]
     ensure_ray(num_cpus=2, include_dashboard=False)
+    if args.only == "calls":
+        calls = bench_call_overhead(pairs, args.call_blocks, args.call_block)
+        load1 = os.getloadavg()[0]
+        shutdown_ray()
+        result = {**call_figures(calls), "load_avg_1m": [round(load0, 2), round(load1, 2)],
+                  "wall_s": round(time.perf_counter() - began, 1)}
+        print_call_table(result)
+        print(json.dumps(result))
+        return
     try:
         sub_ms, obj_ms = bench_hosted_restart(trials * 3, args.plant)
         actor_ms, detect_ms = bench_actor_restart(trials, args.plant)
@@ -528,7 +531,7 @@ def main() -> None:
         domains = shipped_domains(min(workers, cap // 2))  # no more actors than fit
         n = sum(len(d.instances) for d in domains)
         by_n[n] = by_n.get(n) or start_ratios(domains, max(2, runs // 2 + 1), str(n))
-    ratios, sup_us, raw_us = bench_call_overhead(calls, runs)
+    calls = bench_call_overhead(pairs, args.call_blocks, args.call_block)
     idle_ray, idle_tree = bench_idle_cpu(windows, window_s)
     load1 = os.getloadavg()[0]
     shutdown_ray()
@@ -550,7 +553,7 @@ def main() -> None:
         "actor_restart_ms": spread(actor_ms, 1),
         "ray_native_restart_ms": spread(native_ms, 1),
         "death_detect_ms": spread(detect_ms, 1),
-        "call_overhead_ratio": spread(ratios, 3),
+        **call_figures(calls),
         "idle_cpu_percent": spread(col(idle_tree, "job")),
         "idle_cpu_ray_alone_percent": spread(col(idle_ray, "job")),
         "idle_cpu_by_part": {k: round(statistics.median(col(idle_tree, k)), 2)
@@ -562,13 +565,16 @@ def main() -> None:
         "load_avg_1m": [round(load0, 2), round(load1, 2)],
         "wall_s": round(time.perf_counter() - began, 1),
     }
-    print_table(result, sup_us, raw_us, window_s)
+    print_table(result, window_s)
+    print_call_table(result)
     print(json.dumps(result))
 
 
-def print_table(r: dict[str, Any], sup_us: float, raw_us: float, window_s: float) -> None:
-    def fmt(s: dict[str, Any]) -> str:
-        return f"{s['median']} ({s['min']}-{s['max']}, n={s['runs']})"
+def fmt(s: dict[str, Any]) -> str:
+    return f"{s['median']} ({s['min']}-{s['max']}, n={s['runs']})"
+
+
+def print_table(r: dict[str, Any], window_s: float) -> None:
 
     rows = [
         ("start_ratio_shipped", fmt(r["start_ratio_shipped"]),
@@ -593,8 +599,6 @@ def print_table(r: dict[str, Any], sup_us: float, raw_us: float, window_s: float
          "same kill, plain actor with max_restarts=-1 -> a new process answers"),
         ("death_detect_ms", fmt(r["death_detect_ms"]),
          "SIGKILL of an actor child -> the supervisor's exit event"),
-        ("call_overhead_ratio", fmt(r["call_overhead_ratio"]),
-         f"supervised handle / plain actor, per round; {sup_us:.0f} vs {raw_us:.0f} us"),
         ("idle_cpu_percent", fmt(r["idle_cpu_percent"]),
          f"% of one core, every process of the job incl. Ray's, {window_s:g} s windows, "
          f"tree idle ({r['idle_processes']} processes)"),
