@@ -279,7 +279,7 @@ def phase_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     # is cut down to fit, and the JSON says so (state_mb, shm_free_mb).
     shm_free_mb = shutil.disk_usage("/dev/shm").free / 2**20 if os.path.isdir("/dev/shm") \
         else float("inf")
-    want_mb = args.ckpt_mb or (1024 if args.device.startswith("cuda") else 8)
+    want_mb = args.ckpt_mb or (512 if args.device.startswith("cuda") else 8)
     state_mb = max(1, int(min(want_mb, shm_free_mb / 3)))
     tensors = 16
     numel = state_mb * 2**20 // 4 // tensors
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", help="per-phase seconds, e.g. mtp=60,learner=90 "
                                          f"(defaults {BUDGET_S})")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S)
-    parser.add_argument("--ckpt-mb", type=int, help="checkpoint state size (default: 1024 "
+    parser.add_argument("--ckpt-mb", type=int, help="checkpoint state size (default: 512 "
                                                     "on CUDA, 8 on CPU)")
     parser.add_argument("--repeats", type=int, help="checkpoint saves per side (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
