@@ -1,38 +1,50 @@
-"""Benchmark of asynchronous learner checkpoints against a synchronous torch.save.
+"""Benchmark of the learner's asynchronous checkpoints against a synchronous torch.save.
 
 For a policy of about 10M and about 100M parameters (``SIZES``; ``state_mb`` is the state's
 size: fp32 weights plus both AdamW moments, about 12 bytes per parameter), with real AdamW
 moments, the learner's torch limited to 1 thread, the checkpoint files under ``--dir``, it
-measures, from what event to what event:
+drives the learner's real checkpoint path: :class:`~erlay.actors.learner.rank.Learner`'s
+``save_checkpoint()`` (live views of the state, handed under the learner's lock to
+:class:`~erlay.actors.learner.checkpoint.AsyncCheckpointer`, whose background snapshot copies
+them while the next ``train_step()`` computes; that step's optimizer waits for the snapshot
+at the guard).  Train steps use a batch of ``--batch-rows`` rows of 16 prompt and 16
+completion tokens.  It measures, from what event to what event:
 
-- ``host_copy_s``: ``LearnerCore.state()`` called until it returns (the learner's own copy of
-  its state);
+- ``host_copy_s``: ``LearnerCore.state()`` call to return (a full host copy of the state:
+  what a save blocked for before the background snapshot);
 - ``sync_save_s``: ``torch.save`` of that state to a file, from the call until ``fsync``
   returns: the loop blocked for the whole write;
-- ``exposed_save_s``: ``AsyncCheckpointer.save()`` of that state, from the call until it
-  returns, with the worker already running and the previous save committed (staging copy
-  and enqueue): the loop blocked by an async save;
-- ``first_exposed_save_s``: the same for the first save of a checkpointer, which also makes
-  the process group, starts the worker and maps the staging buffer (one per run);
-- ``views_pause_s``: ``save()`` of live views of the weights and AdamW moments (no copy by the
-  learner), call to return: the whole pause if the learner hands its state over under its
-  lock;
-- ``async_persist_s``: from the call to ``save()`` until ``wait()`` returns, i.e. until the
-  worker has written, fsynced and committed the checkpoint, with nothing else queued;
+- ``first_exposed_save_s``: the first ``save_checkpoint()`` of a learner, call to return
+  (also makes the process group, starts the worker, maps the staging buffer; one per run);
+- ``save_return_s``: ``save_checkpoint()`` call to return, the worker idle and the previous
+  save committed;
+- ``barrier_wait_s``: the time the next ``train_step()``'s optimizer step waited at the
+  guard for the snapshot to finish copying;
+- ``exposed_save_s`` = ``save_return_s + barrier_wait_s``: the whole time a save blocked
+  training (from the save call until training may move the weights again);
+- ``immediate_exposed_s``: ``save_checkpoint()`` call until ``wait_snapshot()`` returns
+  when called at once: the pause if the weights were modified right after the save, with
+  no compute to overlap (the worst case);
+- ``snapshot_copy_s`` / ``snapshot_cpu_s``: the background copy's wall time, and the CPU
+  time its thread used (what the overlap costs a host with no idle core);
+- ``step_s``: ``train_step()`` call to return with no save in flight; ``step_after_save_s``:
+  the same for the step right after a save (interleaved with the former);
+  ``step_delta_s`` = their difference (includes the barrier wait and any contention with
+  the copy; noisy: a step is seconds long);
+- ``async_persist_s``: ``save_checkpoint()`` call until ``wait_checkpoints()`` returns
+  (written, fsynced, committed), with no train step in between;
 - ``restore_s``: ``load()`` of the latest checkpoint, call to return, checksums verified;
-- ``exposed_ratio`` = exposed / sync, ``exposed_ratio_with_copy`` = (host copy + exposed) /
-  sync, the whole pause if the learner copies its state first, and ``views_pause_ratio`` =
-  views pause / sync.
+- ``exposed_ratio`` = exposed / sync (target <= 0.02), ``exposed_ratio_immediate`` =
+  immediate exposed / sync, ``step_delta_ratio`` = step delta / sync.
 
 Within a run each figure is the median of ``--repeats`` saves (a ratio is the ratio of those
 medians).  ``--runs`` repeats the whole run, each with a fresh learner and checkpointer; every
 figure is then reported as ``{"median", "min", "max", "runs"}`` over the runs, because a target
 met by one lucky run is a miss.  Prints a table that names each figure's events, then one
-JSON object as the last line: keys ``<figure>_10M`` and ``<figure>_100M`` (the same meaning as
-before ``--runs``: a run's median of its repeats), and ``exposed_ratio``,
-``exposed_ratio_with_copy`` and ``views_pause_ratio``, each the worse size's in a run;
-``params_*`` and ``state_mb_*`` are plain numbers; ``load_avg_1m`` is the 1-minute load
-average at the start and the end.  Target: ``exposed_ratio`` <= 0.02.
+JSON object as the last line: keys ``<figure>_10M`` and ``<figure>_100M`` (a run's median of
+its repeats), and ``exposed_ratio``, ``exposed_ratio_immediate`` and ``step_delta_ratio``,
+each the worse size's in a run; ``params_*`` and ``state_mb_*`` are plain numbers;
+``load_avg_1m`` is the 1-minute load average at the start and the end.
 
     python bench/checkpoint.py [--sizes 10M,100M] [--repeats 3] [--runs 3] [--dir /tmp]
 """
@@ -44,6 +56,7 @@ import gc
 import json
 import logging
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -53,8 +66,9 @@ from typing import Any
 
 import torch
 
-from erlay.actors.learner.checkpoint import AsyncCheckpointer, latest, load
-from erlay.actors.learner.core import LearnerCore
+from erlay.actors.learner.checkpoint import latest, load
+from erlay.actors.learner.core import TrainBatch
+from erlay.actors.learner.rank import Learner
 
 # Decoder-only policies of ~10M and ~100M parameters (embedding and head are 2 * 8192 * d).
 SIZES: dict[str, dict[str, int]] = {
@@ -63,17 +77,34 @@ SIZES: dict[str, dict[str, int]] = {
     "100M": {"vocab_size": 8192, "d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 3072,
              "max_seq_len": 128},
 }
+TOKENS = 16  # prompt and completion tokens per row
 
 
-def primed_learner(model_config: dict[str, int]) -> LearnerCore:
-    """A learner whose AdamW has taken one step, so its moments exist and are not zero."""
-    core = LearnerCore(model_config, seed=0, torch_threads=1)
+def primed_learner(model_config: dict[str, int], checkpoint_dir: Path) -> Learner:
+    """A learner rank whose AdamW has taken one step, so its moments exist and are not
+    zero; it checkpoints into ``checkpoint_dir`` (keep 2)."""
+    learner = Learner(model_config, seed=0, torch_threads=1,
+                      checkpoint_dir=str(checkpoint_dir), checkpoint_keep=2)
     generator = torch.Generator().manual_seed(1)
-    for p in core.model.parameters():
+    for p in learner.model.parameters():
         p.grad = torch.randn(p.shape, generator=generator) * 1e-3
-    core.optimizer.step()
-    core.optimizer.zero_grad(set_to_none=True)
-    return core
+    learner.optimizer.step()
+    learner.optimizer.zero_grad(set_to_none=True)
+    return learner
+
+
+def batch(learner: Learner, rows: int, seed: int) -> TrainBatch:
+    """``rows`` random rows in groups of two, on-policy for the learner's version."""
+    rng = random.Random(seed)
+    vocab = learner.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(TOKENS)] for _ in range(rows)]
+    completions = [[rng.randrange(3, vocab) for _ in range(TOKENS)] for _ in range(rows)]
+    v = learner.version()
+    return TrainBatch(prompt_ids=prompts, completion_ids=completions,
+                      behaviour_logprobs=[[-5.0] * TOKENS for _ in range(rows)],
+                      versions=[[v] * TOKENS for _ in range(rows)],
+                      rewards=[float(i % 2) for i in range(rows)], group_size=2,
+                      rollout_ids=[f"r-{seed}-{i}" for i in range(rows)])
 
 
 def state_bytes(obj: Any) -> int:
@@ -99,57 +130,68 @@ def sync_save(state: dict[str, Any], path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def bench_size(name: str, model_config: dict[str, int], repeats: int,
+def bench_size(name: str, model_config: dict[str, int], repeats: int, rows: int,
                workdir: Path) -> dict[str, float]:
-    core = primed_learner(model_config)
-    copies, syncs, exposed, persists, restores, views = [], [], [], [], [], []
+    root = workdir / f"async-{name}"
+    learner = primed_learner(model_config, root)
+    fig: dict[str, list[float]] = {key: [] for key, _ in WHAT}
     size = 0
     for r in range(repeats):
-        seconds, state = timed(core.state)
-        copies.append(seconds)
+        seconds, state = timed(learner.state)
+        fig["host_copy_s"].append(seconds)
         size = state_bytes(state)
         path = workdir / f"sync-{name}-{r}.pt"
-        syncs.append(timed(lambda state=state, path=path: sync_save(state, path))[0])
+        fig["sync_save_s"].append(timed(lambda state=state, path=path: sync_save(state, path))[0])
         path.unlink()
         del state
         gc.collect()
-    root = workdir / f"async-{name}"
-    with AsyncCheckpointer(root, keep=2) as checkpointer:
-        first = checkpointer.save(0, core.state(), {"bench": name})
-        checkpointer.wait()
-        for r in range(1, repeats + 1):
-            state = core.state()
-            started = time.perf_counter()
-            exposed.append(checkpointer.save(r, state, {"bench": name}))
-            del state  # save() has staged it
-            checkpointer.wait()
-            persists.append(time.perf_counter() - started)
+    try:
+        fig["first_exposed_save_s"].append(timed(learner.save_checkpoint)[0])
+        learner.wait_checkpoints()
+        checkpointer = learner._checkpointer
+        assert checkpointer is not None
+        for r in range(repeats):
+            # Interleaved: a step with no save in flight, then a save and the next step.
+            fig["step_s"].append(timed(lambda r=r: learner.train_step(
+                batch(learner, rows, 2 * r)))[0])
+            next_batch = batch(learner, rows, 2 * r + 1)
+            returned = timed(learner.save_checkpoint)[0]
+            fig["step_after_save_s"].append(timed(lambda b=next_batch: learner.train_step(b))[0])
+            snapshot = checkpointer.last_snapshot
+            assert snapshot is not None and snapshot.done
+            fig["save_return_s"].append(returned)
+            fig["barrier_wait_s"].append(snapshot.waited_s)
+            fig["exposed_save_s"].append(returned + snapshot.waited_s)
+            fig["snapshot_copy_s"].append(snapshot.copy_s)
+            fig["snapshot_cpu_s"].append(snapshot.cpu_s)
+            learner.wait_checkpoints()
             gc.collect()
-        # The same state without the learner's copy: its small fields, then references to
-        # the live weights and moments (an optimizer's state_dict() holds no copies).
-        live = {**core.state(), "model": core.model.state_dict(),
-                "optimizer": core.optimizer.state_dict()}
-        for r in range(repeats + 1, 2 * repeats + 1):
-            views.append(checkpointer.save(r, live, {"bench": name}))
-            checkpointer.wait()
-        del live
-        gc.collect()
+        for _ in range(repeats):
+            # No compute to overlap: the barrier right after the save, then the commit.
+            started = time.perf_counter()
+            learner.save_checkpoint()
+            checkpointer.wait_snapshot()
+            fig["immediate_exposed_s"].append(time.perf_counter() - started)
+            learner.wait_checkpoints()
+            fig["async_persist_s"].append(time.perf_counter() - started)
+            learner.train_step(batch(learner, rows, 99))  # a new step to save next
+            gc.collect()
+    finally:
+        learner.erlay_terminate()
     info = latest(root)
-    assert info is not None and info.step == 2 * repeats
+    assert info is not None and info.step == learner.status()["step"] - 1
     for _ in range(repeats):
         seconds, loaded = timed(lambda: load(info.path))
-        restores.append(seconds)
+        fig["restore_s"].append(seconds)
         del loaded
         gc.collect()
     shutil.rmtree(root)
-    med = statistics.median
-    return {"params": float(core.model.num_parameters()), "state_mb": size / 2**20,
-            "host_copy_s": med(copies), "sync_save_s": med(syncs),
-            "first_exposed_save_s": first, "exposed_save_s": med(exposed),
-            "async_persist_s": med(persists), "restore_s": med(restores),
-            "views_pause_s": med(views), "exposed_ratio": med(exposed) / med(syncs),
-            "exposed_ratio_with_copy": (med(copies) + med(exposed)) / med(syncs),
-            "views_pause_ratio": med(views) / med(syncs)}
+    med = {key: statistics.median(values) for key, values in fig.items() if values}
+    med["step_delta_s"] = med["step_after_save_s"] - med["step_s"]
+    med["exposed_ratio"] = med["exposed_save_s"] / med["sync_save_s"]
+    med["exposed_ratio_immediate"] = med["immediate_exposed_s"] / med["sync_save_s"]
+    med["step_delta_ratio"] = med["step_delta_s"] / med["sync_save_s"]
+    return {"params": float(learner.model.num_parameters()), "state_mb": size / 2**20, **med}
 
 
 def spread(values: list[float], digits: int = 4) -> dict[str, Any]:
@@ -161,18 +203,25 @@ def spread(values: list[float], digits: int = 4) -> dict[str, Any]:
 
 # (figure, what it measures: from what event to what event).
 WHAT: list[tuple[str, str]] = [
-    ("host_copy_s", "LearnerCore.state() call -> return (learner copies its state)"),
+    ("host_copy_s", "LearnerCore.state() call -> return (a full host copy)"),
     ("sync_save_s", "torch.save call -> fsync returns (loop blocked for the write)"),
-    ("first_exposed_save_s", "first save() call -> return (+ worker start, buffer map)"),
-    ("exposed_save_s", "save() call -> return, worker idle, previous save committed"),
-    ("views_pause_s", "save() of live weight/moment views call -> return (no copy)"),
-    ("async_persist_s", "save() call -> wait() returns (written, fsynced, committed)"),
+    ("first_exposed_save_s", "first save_checkpoint() call -> return (+ worker start)"),
+    ("save_return_s", "save_checkpoint() call -> return, previous save committed"),
+    ("barrier_wait_s", "next step's optimizer waits at the guard for the snapshot"),
+    ("exposed_save_s", "save_return_s + barrier_wait_s (training blocked by a save)"),
+    ("immediate_exposed_s", "save_checkpoint() -> wait_snapshot() at once (no overlap)"),
+    ("snapshot_copy_s", "background copy of the state, start -> end (wall)"),
+    ("snapshot_cpu_s", "CPU time of the background copy's thread"),
+    ("step_s", "train_step() call -> return, no save in flight"),
+    ("step_after_save_s", "train_step() call -> return, right after a save"),
+    ("step_delta_s", "step_after_save_s - step_s (noisy)"),
+    ("async_persist_s", "save_checkpoint() -> wait_checkpoints() returns (committed)"),
     ("restore_s", "load() call -> return, checksums verified"),
     ("exposed_ratio", "exposed_save_s / sync_save_s (target <= 0.02)"),
-    ("exposed_ratio_with_copy", "(host_copy_s + exposed_save_s) / sync_save_s"),
-    ("views_pause_ratio", "views_pause_s / sync_save_s"),
+    ("exposed_ratio_immediate", "immediate_exposed_s / sync_save_s (worst case)"),
+    ("step_delta_ratio", "step_delta_s / sync_save_s (noisy)"),
 ]
-WORST_OF_SIZES = ("exposed_ratio", "exposed_ratio_with_copy", "views_pause_ratio")
+WORST_OF_SIZES = ("exposed_ratio", "exposed_ratio_immediate", "step_delta_ratio")
 
 
 def main() -> None:
@@ -180,6 +229,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="10M,100M")
     parser.add_argument("--repeats", type=int, default=3, help="saves per run (median)")
     parser.add_argument("--runs", type=int, default=3, help="whole runs (median, min..max)")
+    parser.add_argument("--batch-rows", type=int, default=16, help="rows per train step")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -189,7 +239,8 @@ def main() -> None:
     for _ in range(args.runs):
         workdir = Path(tempfile.mkdtemp(prefix="erlay-bench-checkpoint-", dir=args.dir))
         try:
-            runs.append({name: bench_size(name, SIZES[name], args.repeats, workdir)
+            runs.append({name: bench_size(name, SIZES[name], args.repeats, args.batch_rows,
+                                            workdir)
                          for name in names})
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -208,7 +259,8 @@ def main() -> None:
                     "wall_s": round(time.perf_counter() - began, 1)})
 
     print(f"learner state per size ({args.repeats} saves per run, median; {args.runs} runs, "
-          f"median (min-max)); torch 1 thread; files under {args.dir}; "
+          f"median (min-max)); torch 1 thread; {args.batch_rows} rows per step; "
+          f"files under {args.dir}; "
           f"1-min load average {load0:.2f} -> {load1:.2f}")
     print(f"{'figure':24}" + "".join(f"{name:>26}" for name in names) + "  what it measures")
     print(f"{'params / state MB':24}" + "".join(

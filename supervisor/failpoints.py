@@ -62,9 +62,13 @@ ENV_VAR = "ERLAY_FAILPOINTS"
 KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "judge.score",
          "judge.verdict", "learner.train_step", "learner.checkpoint", "rollout.dispatch",
          "host.spawn",
-         # The steps of a checkpoint's commit (actors/learner/checkpoint_commit.py).
+         # The stages of a checkpoint: the snapshot (actors/learner/snapshot.py), the
+         # worker's write and fsync (checkpoint_format.py), the commit (checkpoint_commit.py)
+         # and retention (checkpoint.py).
+         "learner.checkpoint_snapshot", "learner.checkpoint_write", "learner.checkpoint_fsync",
          "learner.checkpoint_before_swap", "learner.checkpoint_mid_swap",
          "learner.checkpoint_after_swap", "learner.checkpoint_before_cleanup",
+         "learner.checkpoint_retire",
          # Faults of user code, fired where erlay calls it, inside its guard: raise is the
          # user's exception, hang the user's hang, corrupt a bad return.
          "environment.call", "judge.user_code")

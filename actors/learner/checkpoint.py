@@ -22,23 +22,27 @@ Contracts:
   ``renameat2(RENAME_EXCHANGE)`` on Linux, elsewhere two renames with the old directory
   aside (``.old-step-XXXXXXXX-<nonce>``) in between, which readers take for the step while
   its final name is missing and the next checkpointer renames back.
-- **What save() costs the caller.** The worker is another process, so tensors reach it
-  through shared memory.  :meth:`~AsyncCheckpointer.save` copies every tensor of the state
-  into one reusable shared-memory staging buffer (a memcpy into pages that are already
-  mapped, after the first save) and enqueues a small request naming it.  Moving a fresh
-  tensor into shared memory instead costs ~20x more on these machines (page faults), and a
-  tensor per shared segment would spend one file descriptor each.  Because save() copies, the
-  caller may mutate or free its state as soon as save() returns; tensors on an accelerator,
-  or still attached to autograd, are copied to host memory by the same step.  A caller that
-  holds a lock may therefore pass live views (``model.state_dict()``) and skip its own copy.
-  The buffer holds one state's worth of shared memory (``/dev/shm``) for the checkpointer's
-  lifetime.
+- **What save() costs the caller, and the barrier.** The worker is another process, so
+  tensors reach it through one reusable shared-memory staging buffer.
+  :meth:`~AsyncCheckpointer.save` hands the state to a background
+  :class:`~erlay.actors.learner.snapshot.Snapshot` and returns; on its own thread the
+  snapshot walks the state, copies its tensors into the buffer and only then queues the
+  request for the worker.  The caller may read the state's tensors at once, and drop or
+  replace them, but must modify neither them (in place) nor the state's containers before
+  :meth:`~AsyncCheckpointer.wait_snapshot` returns; :meth:`~AsyncCheckpointer.guard` makes
+  an optimizer's ``step()`` wait there, so the copy overlaps the next step's forward and
+  backward passes.  A tensor modified while it is copied fails the save
+  (:mod:`~erlay.actors.learner.snapshot`), it is never written torn.  The exposed time is
+  save()'s return plus any wait at the barrier.  A caller that holds a lock may pass live
+  views (``model.state_dict()``) and skip its own copy.  Tensors on an accelerator are
+  copied to host memory by the snapshot.  The buffer holds one state's worth of shared
+  memory (``/dev/shm``) for the checkpointer's lifetime.
 - **One save in flight.** The staging buffer is reused, so a save requested while the
   previous one is still being written waits for that one to commit first; the wait is part
   of the seconds save() returns, and it is logged.  Checkpoint more rarely than one write
   takes and save() never waits.
-- **Failures.** A save that fails in the worker, or whose worker dies, raises
-  :class:`CheckpointSaveFailed` from the next :meth:`~AsyncCheckpointer.poll` or
+- **Failures.** A save that fails in its snapshot or in the worker, or whose worker dies,
+  raises :class:`CheckpointSaveFailed` from the next :meth:`~AsyncCheckpointer.poll` or
   :meth:`~AsyncCheckpointer.wait` and leaves no complete checkpoint behind; a dead worker is
   replaced on the next save.  The worker exits within a second of its trainer's death,
   however the trainer died.
@@ -57,17 +61,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import secrets
 import shutil
 import threading
 import time
 import traceback
-from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
@@ -75,6 +77,7 @@ from torch import distributed as dist
 
 from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root
 from erlay.actors.learner.checkpoint_format import (
+    RETIRED_PREFIX,
     TMP_PREFIX,
     CheckpointInfo,
     CheckpointInvalid,
@@ -85,8 +88,9 @@ from erlay.actors.learner.checkpoint_format import (
     step_dir_name,
     write_checkpoint_dir,
 )
+from erlay.actors.learner.snapshot import Copier, Snapshot, StagingBuffer, unstage
 from erlay.supervisor.errors import ErlayError
-from erlay.supervisor.failpoints import FailpointError
+from erlay.supervisor.failpoints import FailpointError, failpoint
 
 __all__ = ["AsyncCheckpointer", "CheckpointInfo", "CheckpointInvalid", "CheckpointSaveFailed",
            "ensure_process_group", "latest", "list_checkpoints", "load"]
@@ -94,8 +98,6 @@ __all__ = ["AsyncCheckpointer", "CheckpointInfo", "CheckpointInvalid", "Checkpoi
 log = logging.getLogger("erlay.checkpoint")
 
 FAILED = "FAILED"
-# Staged tensors start on cache-line boundaries, which also satisfies every dtype's alignment.
-_ALIGN = 64
 _POLL_INTERVAL_S = 0.05
 _PARENT_CHECK_S = 1.0
 
@@ -123,103 +125,6 @@ def ensure_process_group() -> bool:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     log.info("made a one-process gloo group for the checkpoint worker")
     return True
-
-
-# ------------------------------------------------------------------------------- staging
-class _Slot(NamedTuple):
-    """Where one staged tensor lies in the staging buffer."""
-
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-_IMMUTABLE = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
-
-
-def _rebuild(obj: Any, leaf: Any, where: str = "state") -> Any:
-    """``obj`` with its dicts, lists and tuples rebuilt and every other value replaced by
-    ``leaf(value, where)``, ``where`` naming the value's place for error messages."""
-    if isinstance(obj, dict):
-        # Other mappings become dicts: a weights_only load knows only these two.
-        cls = type(obj) if type(obj) in (dict, OrderedDict) else dict
-        return cls((k, _rebuild(v, leaf, f"{where}[{k!r}]")) for k, v in obj.items())
-    if type(obj) in (list, tuple):
-        return type(obj)(_rebuild(v, leaf, f"{where}[{i}]") for i, v in enumerate(obj))
-    return leaf(obj, where)
-
-
-class _StagingBuffer:
-    """One shared-memory byte buffer that every save copies its tensors into.
-
-    It grows when a state no longer fits and is otherwise reused, so after the first save the
-    copy touches pages that are already mapped.  Not thread-safe; the checkpointer makes sure
-    the worker has finished reading it before it is written again.
-    """
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-
-    def stage(self, state: Any) -> Any:
-        """A copy of ``state``'s structure with every tensor replaced by a :class:`_Slot`,
-        after copying the tensors into the buffer.  Other leaves are deep-copied by pickling
-        (so they are known to travel), and should be small.  TypeError names a leaf that
-        cannot be checkpointed."""
-        staged: list[tuple[torch.Tensor, _Slot]] = []
-        end = 0
-
-        def leaf(obj: Any, where: str) -> Any:
-            nonlocal end
-            if isinstance(obj, torch.Tensor):
-                if obj.layout != torch.strided or obj.is_quantized:
-                    raise TypeError(f"{where}: only dense tensors can be checkpointed")
-                slot = _Slot(end, obj.numel() * obj.element_size(), obj.dtype,
-                             tuple(obj.shape))
-                staged.append((obj, slot))
-                end += -(-slot.nbytes // _ALIGN) * _ALIGN
-                return slot
-            if obj is None or type(obj) in _IMMUTABLE:
-                return obj
-            try:
-                # A leaf that cannot be pickled would otherwise fail in the queue's feeder
-                # thread, where nobody sees it, and the save would never finish.
-                return pickle.loads(pickle.dumps(obj))
-            except Exception as exc:
-                raise TypeError(f"{where}: {type(obj).__name__} cannot be checkpointed: "
-                                f"{exc}") from exc
-
-        skeleton = _rebuild(state, leaf)
-        if self.buffer is None or self.buffer.numel() < end:
-            # share_memory_ of a fresh tensor faults every page in now, once, instead of on
-            # each later save.
-            self.buffer = torch.empty(max(end, _ALIGN), dtype=torch.uint8).share_memory_()
-        with torch.no_grad():
-            for tensor, slot in staged:
-                if slot.nbytes:
-                    target = self.buffer[slot.offset:slot.offset + slot.nbytes]
-                    target.view(slot.dtype).view(slot.shape).copy_(tensor)
-        return skeleton
-
-
-def _unstage(skeleton: Any, buffer: torch.Tensor) -> Any:
-    """Worker side: the state again, tensors backed by the shared buffer without a copy.
-
-    Each tensor gets its own storage (``torch.frombuffer``), so ``torch.save`` writes one
-    record per tensor and the loaded checkpoint holds independent tensors, not views of one
-    big storage.
-    """
-    raw = buffer.numpy()
-
-    def leaf(obj: Any, where: str) -> Any:
-        if not isinstance(obj, _Slot):
-            return obj
-        if obj.nbytes == 0:
-            return torch.empty(obj.shape, dtype=obj.dtype)
-        chunk = raw[obj.offset:obj.offset + obj.nbytes]
-        return torch.frombuffer(chunk, dtype=obj.dtype).view(obj.shape)
-
-    return _rebuild(skeleton, leaf)
 
 
 # ------------------------------------------------------------------- the worker's side
@@ -250,7 +155,8 @@ def _exit_with_parent(parent: int) -> None:
 
 def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
              extra: dict[str, Any], parent: int, write_delay_s: float = 0.0) -> None:
-    """Runs in the library's persistent worker: write the checkpoint into ``tmp_dir``.
+    """Runs in the library's persistent worker: write the checkpoint of the snapshot staged
+    in ``buffer`` into ``tmp_dir``.
 
     Never raises.  An exception escaping here would kill the worker loop before it reports
     completion, and the trainer would wait forever; instead a ``FAILED`` file with the
@@ -262,7 +168,7 @@ def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
     if write_delay_s > 0:  # slow storage, as the chaos suite injects it
         time.sleep(write_delay_s)
     try:
-        write_checkpoint_dir(tmp, step, _unstage(skeleton, buffer), extra)
+        write_checkpoint_dir(tmp, step, unstage(skeleton, buffer), extra)
     except Exception:  # noqa: BLE001 - reported through the FAILED file, see above
         try:
             (tmp / FAILED).write_text(traceback.format_exc())
@@ -285,9 +191,16 @@ def _release_queues(caller: Any, *, flush: bool) -> None:
 # ------------------------------------------------------------------------ the checkpointer
 @dataclass
 class _InFlight:
+    """A save from save() to its commit.  Until ``handed_over`` is set, the copy thread
+    owns the hand-over to the worker (and ``AsyncCheckpointer._calls``); the trainer's
+    thread touches neither before then."""
+
     step: int
     tmp: Path
     started: float
+    snapshot: Snapshot
+    handed_over: threading.Event = field(default_factory=threading.Event)
+    handover_error: str | None = None
 
 
 class AsyncCheckpointer:
@@ -307,8 +220,12 @@ class AsyncCheckpointer:
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
         recover_root(self.root)
+        newest = latest(self.root)
+        self._committed = newest.step if newest is not None else None
         self._calls: AsyncCallsQueue | None = None
-        self._staging = _StagingBuffer()
+        self._staging = StagingBuffer()
+        self._snapshot: Snapshot | None = None  # the newest save's
+        self._copier = Copier()
         self._inflight: _InFlight | None = None
         self._failure: CheckpointSaveFailed | None = None
         self._unreported: list[int] = []  # committed while save() waited
@@ -324,19 +241,35 @@ class AsyncCheckpointer:
         return process.pid if process is not None else None
 
     @property
+    def committed(self) -> int | None:
+        """The newest committed step under ``root``, or None; kept current by this
+        checkpointer's commits, so reading it costs no look at the disk."""
+        return self._committed
+
+    @property
     def in_flight(self) -> int | None:
         """The step being written, or None."""
         return self._inflight.step if self._inflight is not None else None
 
+    @property
+    def last_snapshot(self) -> Snapshot | None:
+        """The newest save's snapshot (its timings: ``copy_s``, ``cpu_s``, ``waited_s``)."""
+        return self._snapshot
+
     def save(self, step: int, state: dict[str, Any],
              extra: dict[str, Any] | None = None, *, write_delay_s: float = 0.0) -> float:
         """Start saving ``state`` as the checkpoint of ``step``; returns the seconds the
-        caller was blocked (waiting for a save in flight, staging, enqueueing).
+        caller was blocked here (waiting for a save in flight, handing the state to the
+        snapshot's thread).
 
-        ``extra`` is small JSON-able metadata stored in the manifest.  The state is copied
-        before save() returns (module docstring).  Raises ValueError or TypeError for a
-        state or ``extra`` that cannot be checkpointed, at once, before anything is queued.
-        If the save it waited for failed, the next poll() or wait() raises that failure.
+        ``extra`` is small JSON-able metadata stored in the manifest; ValueError or
+        TypeError for one that is not, at once.  The state is walked and its tensors copied
+        in the background: modify neither its tensors nor its containers before
+        :meth:`wait_snapshot` returns (module docstring).  A state that cannot be
+        checkpointed (a leaf that does not pickle, a sparse tensor) fails the save: the next
+        poll() or wait() raises :class:`CheckpointSaveFailed` naming the leaf, and nothing
+        reaches the worker.  If the save it waited for failed, the next poll() or wait()
+        raises that failure.
         """
         started = time.perf_counter()
         if self._closed:
@@ -352,18 +285,34 @@ class AsyncCheckpointer:
                 self._remember(exc)
             log.info("save of step %d waited %.2f s for step %d to commit", step,
                      time.perf_counter() - started, waited_for)
+        # A snapshot whose worker died may still be copying into the buffer.
+        self.wait_snapshot()
         self._owns_group = ensure_process_group() or self._owns_group
-        skeleton = self._staging.stage(state)
+        snapshot = Snapshot(self._staging, state)
+        self._snapshot = snapshot
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
-        request = AsyncRequest(async_fn=_persist,
-                               async_fn_args=(str(tmp), skeleton, self._staging.buffer, step,
-                                              extra, os.getpid(), write_delay_s),
-                               finalize_fns=[partial(self._commit, step, tmp)])
-        if self._calls is None:
-            self._calls = AsyncCallsQueue(persistent=True)
-        self._calls.schedule_async_request(request)
-        self._inflight = _InFlight(step, tmp, time.monotonic())
+        inflight = _InFlight(step, tmp, time.monotonic(), snapshot)
+        self._inflight = inflight
+        self._copier.submit(partial(self._snapshot_and_hand_over, inflight, extra,
+                                    write_delay_s))
         return time.perf_counter() - started
+
+    def wait_snapshot(self, timeout_s: float | None = None) -> float:
+        """The barrier: block until the newest save's snapshot has copied its tensors, after
+        which the caller may modify the state it saved.  Returns the seconds blocked (0 when
+        the copy was already done), exposed time like save()'s own.  Never raises a save's
+        failure (poll() and wait() do); TimeoutError after ``timeout_s``."""
+        if self._snapshot is None:
+            return 0.0
+        return self._snapshot.wait(timeout_s)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make every ``optimizer.step()`` first wait for the snapshot (:meth:`wait_snapshot`),
+        so a training loop that saves between steps needs no other change.  Returns the
+        hook's handle (``.remove()`` undoes it)."""
+        def before_step(*_: Any) -> None:
+            self.wait_snapshot()
+        return optimizer.register_step_pre_hook(before_step)
 
     def poll(self) -> list[int]:
         """Commit a save the worker has finished, without blocking; returns the steps
@@ -397,11 +346,21 @@ class AsyncCheckpointer:
         try:
             self.wait(timeout_s)
         except TimeoutError:
-            self._worker_lost("did not finish before close", kill=True)
+            assert self._inflight is not None
+            self._inflight.snapshot.abort()
+            self._inflight.handed_over.wait()  # the copy thread is done with the save
+            if self._calls is not None:
+                self._worker_lost("did not finish before close", kill=True)
+            else:  # the first save never reached a worker
+                step, self._inflight = self._inflight.step, None
+                raise CheckpointSaveFailed(step, "snapshot aborted by close") from None
         finally:
             self._closed = True
+            if self._snapshot is not None:
+                self._snapshot.abort()  # nothing left to copy for
+            self._copier.stop()
             self._stop_worker()
-            self._staging = _StagingBuffer()
+            self._staging = StagingBuffer()
             if self._owns_group and dist.is_initialized():
                 dist.destroy_process_group()
             self._owns_group = False
@@ -419,10 +378,38 @@ class AsyncCheckpointer:
             self._calls.persistent_caller.process = None  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------------- internals
+    def _snapshot_and_hand_over(self, inflight: _InFlight, extra: dict[str, Any],
+                                write_delay_s: float) -> None:
+        """On the copy thread: copy the state, then (only if the copy is whole) queue the
+        request for the worker, starting the worker on the first save."""
+        try:
+            snapshot = inflight.snapshot
+            snapshot.run()
+            if snapshot.error is None:
+                step, tmp = inflight.step, inflight.tmp
+                request = AsyncRequest(
+                    async_fn=_persist,
+                    async_fn_args=(str(tmp), snapshot.skeleton, self._staging.buffer, step,
+                                   extra, os.getpid(), write_delay_s),
+                    finalize_fns=[partial(self._commit, step, tmp)])
+                if self._calls is None:
+                    self._calls = AsyncCallsQueue(persistent=True)
+                self._calls.schedule_async_request(request)
+        except Exception as exc:  # noqa: BLE001 - reported by the trainer's next poll
+            inflight.handover_error = f"handing the save to the worker failed: {exc}"
+        finally:
+            inflight.handed_over.set()
+
     def _advance(self) -> list[int]:
-        if self._inflight is None or self._calls is None:
-            return []
         inflight = self._inflight
+        if inflight is None or not inflight.handed_over.is_set():
+            return []
+        reason = inflight.snapshot.error or inflight.handover_error
+        if reason is not None:  # nothing reached the worker
+            self._inflight = None
+            shutil.rmtree(inflight.tmp, ignore_errors=True)
+            raise CheckpointSaveFailed(inflight.step, reason)
+        assert self._calls is not None
         try:
             done = self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True)
             if not done and not self._worker_alive():
@@ -456,8 +443,8 @@ class AsyncCheckpointer:
     def _commit(self, step: int, tmp: Path) -> None:
         """Finalization, run by the library in this process once the worker is done:
         commit the finished directory into place (:func:`commit_dir`), then apply
-        retention.  Any failure, a commit failpoint's ``raise`` included, is a
-        :class:`CheckpointSaveFailed` (the library has already dropped the request, so
+        retention (:meth:`_retire`).  Any failure, a commit failpoint's ``raise`` included,
+        is a :class:`CheckpointSaveFailed` (the library has already dropped the request, so
         anything else would leave this checkpointer waiting for it) and removes ``tmp``."""
         try:
             if (tmp / FAILED).exists():
@@ -469,15 +456,29 @@ class AsyncCheckpointer:
                 raise CheckpointSaveFailed(step, exc.reason) from exc
             # A step saved again (a run resumed before it) replaces its old checkpoint.
             commit_dir(tmp, self.root / step_dir_name(step))
+            self._committed = max(step, self._committed or 0)
         except (OSError, FailpointError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointSaveFailed(step, f"finalizing failed: {exc}") from exc
         except CheckpointSaveFailed:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._retire()
+
+    def _retire(self) -> None:
+        """Remove all but the newest ``keep`` checkpoints.  Each is first renamed to a
+        ``.tmp-retired-`` name, atomically, so a crash mid-removal leaves a leftover that
+        the next checkpointer removes, never a half-deleted ``step-*`` directory."""
         for old in list_checkpoints(self.root)[:-self.keep]:
             log.info("removing checkpoint %s (keeping %d)", old.path, self.keep)
-            shutil.rmtree(old.path, ignore_errors=True)
+            retired = self.root / f"{RETIRED_PREFIX}{old.path.name}-{secrets.token_hex(4)}"
+            try:
+                os.rename(old.path, retired)
+            except OSError as exc:
+                log.warning("could not retire checkpoint %s: %s", old.path, exc)
+                continue
+            failpoint("learner.checkpoint_retire")
+            shutil.rmtree(retired, ignore_errors=True)
 
     def _worker_alive(self) -> bool:
         caller = self._calls.persistent_caller if self._calls is not None else None

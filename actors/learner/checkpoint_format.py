@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 
 from erlay.supervisor.errors import ErlayError
+from erlay.supervisor.failpoints import failpoint
 
 log = logging.getLogger("erlay.checkpoint")
 
@@ -35,6 +36,8 @@ CHECKPOINT_FORMAT = 1
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 TMP_PREFIX = ".tmp-"
+# An old checkpoint being removed by retention: renamed first, so a crash leaves a leftover.
+RETIRED_PREFIX = f"{TMP_PREFIX}retired-"
 ASIDE_PREFIX = ".old-"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _ASIDE_DIR = re.compile(r"^\.old-(step-\d{8,})-[0-9a-f]+$")
@@ -179,13 +182,16 @@ def write_checkpoint_dir(directory: Path, step: int, state: Any,
 
     ``state.pt`` first, then the manifest, each fsynced, then the directory itself.  Raises
     whatever the file system raises; what is left is then incomplete (no valid manifest), or
-    complete under a name the caller has not committed yet.
+    complete under a name the caller has not committed yet.  Failpoints mark the stages a
+    kill test strikes: ``learner.checkpoint_write`` after each write into ``state.pt``,
+    ``learner.checkpoint_fsync`` once it is written, before the first fsync.
     """
     directory.mkdir()
     with open(directory / STATE_FILE, "wb") as f:
         writer = _HashingWriter(f)
         torch.save(state, cast(Any, writer))  # torch.save needs only write()
         f.flush()
+        failpoint("learner.checkpoint_fsync")
         os.fsync(f.fileno())
     manifest = {"format": CHECKPOINT_FORMAT, "step": step, "created_unix": time.time(),
                 "files": {STATE_FILE: {"bytes": writer.bytes,
@@ -212,6 +218,7 @@ class _HashingWriter:
         self._f.write(view)
         self.sha256.update(view)
         self.bytes += view.nbytes
+        failpoint("learner.checkpoint_write")
         return view.nbytes
 
     def flush(self) -> None:

@@ -98,8 +98,10 @@ class Learner(LearnerCore):
     def save_checkpoint(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Save this rank's state at its current step, asynchronously.
 
-        Blocks only for the copy to host memory and the hand-off to the checkpoint worker
-        process; persisting and the atomic commit happen there.  Only rank 0 saves (ranks
+        Blocks only to record the state and hand it off: a background snapshot copies the
+        tensors to host memory while the next step computes, and the optimizer's next step
+        waits for it (:meth:`AsyncCheckpointer.guard`); persisting and the atomic commit
+        happen in the checkpoint worker process.  Only rank 0 saves (ranks
         hold identical state after every step); other ranks return at once.  Returns
         ``{step, exposed_s, committed}`` with the newest committed step so far.
         """
@@ -116,15 +118,15 @@ class Learner(LearnerCore):
                 self._ensure_group()
             ensure_process_group()
             self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
+            self._checkpointer.guard(self.optimizer)
         self._checkpointer.poll()  # commit finished saves first, so `committed` is current
-        started = time.perf_counter()  # exposed time: the host copy and the hand-off
-        with self._lock:  # no step may move the weights while they are staged
+        started = time.perf_counter()  # exposed here: recording the state and the hand-off
+        with self._lock:  # the state's structure is read between steps
             self._checkpointer.save(self._step, self._state_locked(copied=False), extra or {},
                                     write_delay_s=write_delay_s)
         exposed = time.perf_counter() - started
-        info = latest(self.checkpoint_dir)
         return {"step": self._step, "exposed_s": exposed,
-                "committed": info.step if info else None}
+                "committed": self._checkpointer.committed}
 
     def wait_checkpoints(self) -> int | None:
         """Block until every save is committed; the newest committed step."""

@@ -19,8 +19,9 @@ status is 1.  The phases, and what each figure measures (from what event to what
 - ``checkpoint``: the device-to-host exposed ratio of an asynchronous checkpoint, on
   nvidia-resiliency-ext's persistent worker (:class:`~erlay.actors.learner.checkpoint.
   AsyncCheckpointer`).  The state lives on the device (float32 tensors, ``state_mb``).
-  ``exposed_s``: ``save()`` called until it returns (the copy to host and the enqueue; the
-  worker already running, the previous save committed); ``sync_s``: ``torch.save`` of the
+  ``exposed_s``: ``save()`` called until ``wait_snapshot()`` returns, called at once (the
+  background copy to host with no compute to overlap it, the worst case; the worker
+  already running, the previous save committed); ``sync_s``: ``torch.save`` of the
   same device state to a file, call until ``fsync`` returns; ``exposed_ratio`` = median
   exposed / median sync; ``persist_s``: ``save()`` called until ``wait()`` returns (written,
   fsynced, committed); ``restored``: the latest checkpoint loads with checksums verified and
@@ -307,7 +308,7 @@ def phase_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
             exposed_s, persist_s = [], []
             for r in range(1, repeats + 1):
                 t0 = time.perf_counter()
-                exposed_s.append(ckpt.save(r, state))
+                exposed_s.append(ckpt.save(r, state) + ckpt.wait_snapshot())
                 ckpt.wait()
                 persist_s.append(time.perf_counter() - t0)
         finally:

@@ -85,7 +85,8 @@ def test_learner_state_round_trips_and_training_continues_identically(tmp_path: 
     next_batch = arithmetic_batch(a)
     with AsyncCheckpointer(tmp_path) as checkpointer:
         checkpointer.save(1, saved, {"journal": "snap-1", "data_position": 8})
-        # save() has copied the state: the caller may reuse its copy at once.
+        # Once the snapshot has copied the state, the caller may modify it.
+        checkpointer.wait_snapshot()
         for tensor in saved["model"].values():
             tensor.zero_()
         # Persisting is in flight (the worker is still starting); nothing is committed yet.
@@ -225,9 +226,11 @@ def test_trainer_killed_mid_save_commits_nothing_and_takes_its_worker_along(
     assert [p.name for p in root.iterdir()] == ["step-00000001"]
 
 
-def test_unpicklable_leaf_is_refused_before_anything_is_queued(tmp_path: Path) -> None:
+def test_unpicklable_leaf_fails_the_save_and_nothing_reaches_a_worker(tmp_path: Path) -> None:
     with AsyncCheckpointer(tmp_path) as checkpointer:
-        with pytest.raises(TypeError, match=r"state\['hook'\]"):
-            checkpointer.save(1, {"w": torch.ones(2), "hook": lambda: None})
+        checkpointer.save(1, {"w": torch.ones(2), "hook": lambda: None})
+        with pytest.raises(CheckpointSaveFailed, match=r"state\['hook'\]: function cannot"):
+            checkpointer.wait(timeout_s=60)
         assert checkpointer.in_flight is None
-        assert checkpointer.worker_pid is None
+        assert checkpointer.worker_pid is None  # the snapshot never handed it over
+    assert list(tmp_path.iterdir()) == []
