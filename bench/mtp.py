@@ -1,33 +1,48 @@
 """Benchmark: MTP self-speculative decoding on a batch with a heavy-tailed length mix.
 
-A policy with MTP heads (d_model 128, 2 layers, ``--max-k`` heads) is trained briefly on a
-counting language (the learner's warm start, with the MTP loss beside it; seeded, with the data in
-a fixed order, trained once per invocation): the prompt names a start token and a length, the
-completion counts up from the start for that many tokens, then ends.  The benchmark batch
-mixes many short completions with a few long ones (``--batch`` requests, 85% of 4-10 tokens,
-15% of 50-80), so the batch's wall time is set by the tail, as in asynchronous RL.  For k in
-0..max_k it decodes the same batch with the built-in engine's core (continuous batching with
-``max_batch`` = the batch, KV cache, sampling at temperature 1, ``--threads`` torch threads,
-in process), speculating with k drafts only while at most ``--spec-max-concurrency`` requests
-run (the tail-aware setting).  ``wall_s`` is from the first admission of the batch until its
-last request has finished; ``tokens_per_s`` is the tokens generated over it; ``speedup`` at k
-is wall at k=0 / wall at k.
+The policy is the CPU default's model shape (``--model hf``: the tiny Qwen2 of
+configs/cpu.yaml, built through erlay's build path from configs/models/tiny-qwen2's config,
+randomly initialised, with ``--max-k`` MTP heads; its ``max_position_embeddings`` raised to 96
+for the tail's long completions, which changes no weight's shape since RoPE has no position
+table), or the built-in PolicyModel (``--model builtin``: d_model 128, 2 layers).  It is
+trained briefly on a counting language (the learner's warm start, with the MTP loss beside it;
+seeded, with the data in a fixed order, trained once per invocation): the prompt names a start
+token and a length, the completion counts up from the start for that many tokens, then ends.
+The benchmark batch mixes many short completions with a few long ones (``--batch`` requests,
+85% of 4-10 tokens, 15% of 50-80), so the batch's wall time is set by the tail, as in
+asynchronous RL.  For k in 0..max_k it decodes the same batch with the built-in engine's core
+(continuous batching with ``max_batch`` = the batch, KV cache, sampling at temperature 1,
+``--threads`` torch threads, in process), speculating with k drafts only while at most
+``--spec-max-concurrency`` requests run (the tail-aware setting).  ``wall_s`` is from the
+first admission of the batch until its last request has finished; ``tokens_per_s`` is the
+tokens generated over it; ``speedup`` at k is wall at k=0 / wall at k; ``cpu_speedup`` is the
+same ratio of the decoding thread's CPU time (less sensitive to other processes on a shared
+machine, reported beside the wall figure, not instead of it).
 
 A run times each k ``--repeats`` times, interleaved so that drift on a shared machine hits
 every k alike, and keeps the median per k.  ``--runs`` repeats that on the same model; every
 timed figure is reported as ``{"median", "min", "max", "runs"}`` over the runs.  ``best_k`` is
 the k with the best median speedup over the runs, and ``speedup_at_best_k`` is that k's
-spread: a target met by one lucky run is a miss.  (Before ``--runs``, one invocation was one
-run and ``best_k`` the k of its shortest median wall.)
+spread: a target met by one lucky run is a miss.
+
+The cost of one verification step: ``verify_step_ms_at_best_k`` is the median wall time of a
+``DecodeBatch.step(k)`` call (sampling the pending token, k draft steps, one forward pass over
+the k + 1 fed tokens, verification) among the steps taken while at most
+``--spec-max-concurrency`` requests run; ``plain_step_ms`` is the same for k=0 (a plain decode
+step over the same stretch of the batch), and ``verify_over_plain_step`` their ratio.
+``acceptance_by_position`` is, per draft position j, accepted / verified drafts among the
+drafts that reached position j (a row's drafts after its first rejection are not verified).
 
 Prints the table, then one JSON object as the last line: ``best_k``, ``speedup_at_best_k``,
 ``acceptance_at_best_k`` (accepted / drafted; decoding is seeded, so every run has the same),
+``acceptance_by_position_at_best_k``, ``verify_step_ms_at_best_k``, ``plain_step_ms``,
 ``greedy_identical`` (greedy speculation gives exactly plain greedy decoding's tokens, checked
 at every k), ``sampled_identical`` (the coupled verification makes sampled output identical
 too), the per-k figures, and ``load_avg_1m`` (1-minute load average at the start and the
 end).  Target: ``speedup_at_best_k`` >= 1.46.
 
-    python bench/mtp.py [--train-steps 400] [--batch 64] [--repeats 3] [--runs 5]
+    python bench/mtp.py [--model hf|builtin] [--train-steps 400] [--batch 64] [--repeats 3]
+                        [--runs 5]
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ import json
 import os
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +63,8 @@ from erlay.actors.engine.api import GenerationRequest
 from erlay.actors.engine.core import DecodeBatch, Sequence
 from erlay.actors.engine.tail import TailWindow
 from erlay.actors.learner.core import LearnerCore
-from erlay.actors.model.policy import PolicyConfig, PolicyModel
+from erlay.actors.model.build import Policy
+from erlay.actors.model.policy import PolicyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,10 +91,27 @@ def example(rng: random.Random, length: int) -> tuple[list[int], list[int]]:
     return prompt, [*body, EOS]
 
 
-def train(args: argparse.Namespace, cfg: PolicyConfig) -> tuple[PolicyModel, dict[str, Any]]:
+def model_spec(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The policy's ``model_config``: the CPU default's tiny Qwen2 (configs/cpu.yaml's
+    ``model.hf``, random init) with ``--max-k`` MTP heads, or the built-in model.
+
+    The Qwen2's config is copied with ``max_position_embeddings`` raised to ``MAX_LEN``: the
+    tail's completions (up to 80 tokens) outgrow its 64, and RoPE has no position table, so
+    every weight's shape is the shipped config's."""
+    if args.model == "builtin":
+        return PolicyConfig(vocab_size=VOCAB, d_model=128, n_layers=2, n_heads=4, d_ff=256,
+                            max_seq_len=MAX_LEN, mtp_heads=args.max_k).to_dict()
+    config = json.loads((ROOT / "configs/models/tiny-qwen2/config.json").read_text())
+    config["max_position_embeddings"] = MAX_LEN
+    (workdir / "config.json").write_text(json.dumps(config))
+    return {"hf": str(workdir), "init": "random", "mtp_heads": args.max_k,
+            "max_seq_len": MAX_LEN}
+
+
+def train(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[Policy, dict[str, Any]]:
     rng = random.Random(0)
     data = [example(rng, n) for n in lengths_of(rng, 2048)]
-    learner = LearnerCore(cfg.to_dict(), lr=3e-3, seed=0, torch_threads=args.threads,
+    learner = LearnerCore(spec, lr=3e-3, seed=0, torch_threads=args.threads,
                           mtp_loss_weight=1.0)
     t0 = time.perf_counter()
     summary = learner.sft([p for p, _ in data], [c for _, c in data], args.train_steps,
@@ -96,30 +130,42 @@ def batch_requests(args: argparse.Namespace, temperature: float) -> list[Generat
     return out
 
 
-def decode(model: PolicyModel, reqs: list[GenerationRequest], k: int,
+def decode(model: Policy, reqs: list[GenerationRequest], k: int,
            max_concurrency: int, max_batch: int) -> tuple[float, list[Sequence], dict]:
     """Decode ``reqs`` with continuous batching as the engine does; (wall s, sequences,
-    the tail report)."""
+    the tail report plus ``cpu_s`` (this thread's CPU time over the same span),
+    ``acceptance_by_position`` and ``tail_step_ms``: the wall ms of every step taken while
+    at most ``max_concurrency`` requests ran, speculative or plain)."""
     seqs = [Sequence(r) for r in reqs]
     waiting = list(seqs)
     batch = DecodeBatch(model)
     window = TailWindow()
-    t0 = time.perf_counter()
+    step_ms: list[float] = []
+    t0, c0 = time.perf_counter(), time.thread_time()
     while waiting or batch.rows:
         room = max_batch - len(batch)
         if waiting and room > 0:
             batch.admit(waiting[:room])
             waiting = waiting[room:]
         rows = list(batch.rows)
-        step_k = k if k and (not max_concurrency or len(rows) <= max_concurrency) else 0
+        in_tail = not max_concurrency or len(rows) <= max_concurrency
+        step_k = k if k and in_tail else 0
         before = sum(s.generated for s in rows)
+        s0 = time.perf_counter()
         batch.step(step_k)
+        if in_tail:
+            step_ms.append((time.perf_counter() - s0) * 1e3)
         window.step(len(rows), sum(s.generated for s in rows) - before, step_k)
         for s in rows:
             if s.finished:
                 window.finished(s.generated)
-    wall = time.perf_counter() - t0
-    return wall, seqs, window.report(drafted=batch.drafted, accepted=batch.accepted)
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    report = window.report(drafted=batch.drafted, accepted=batch.accepted)
+    report["cpu_s"] = cpu
+    report["tail_step_ms"] = step_ms
+    report["acceptance_by_position"] = [round(a / d, 4) if d else None for a, d in
+                                        zip(batch.accepted_at, batch.drafted_at, strict=True)]
+    return wall, seqs, report
 
 
 def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
@@ -129,21 +175,28 @@ def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
             "runs": len(values)}
 
 
-def one_run(args: argparse.Namespace, model: PolicyModel, reqs: list[GenerationRequest],
-            ks: list[int]) -> tuple[dict[int, float], dict[int, dict[str, Any]],
-                                    dict[int, list[list[int]]]]:
-    """Median wall time per k over ``args.repeats`` interleaved decodes, with each k's tail
-    report and completions (seeded: the same in every repeat)."""
+def one_run(args: argparse.Namespace, model: Policy, reqs: list[GenerationRequest],
+            ks: list[int]) -> tuple[dict[int, float], dict[int, float], dict[int, float],
+                                    dict[int, dict[str, Any]], dict[int, list[list[int]]]]:
+    """Per k over ``args.repeats`` interleaved decodes: the median wall s, the median CPU s,
+    the median tail step ms (all tail steps of all repeats), each k's report and
+    completions (seeded: the same in every repeat)."""
     walls: dict[int, list[float]] = {k: [] for k in ks}
+    cpus: dict[int, list[float]] = {k: [] for k in ks}
+    steps: dict[int, list[float]] = {k: [] for k in ks}
     reports: dict[int, dict[str, Any]] = {}
     tokens: dict[int, list[list[int]]] = {}
     for _ in range(args.repeats):
         for k in ks:   # interleaved, so drift on a shared machine hits every k alike
             wall, seqs, report = decode(model, reqs, k, args.spec_max_concurrency, args.batch)
             walls[k].append(wall)
+            cpus[k].append(report["cpu_s"])
+            steps[k] += report.pop("tail_step_ms")
             reports[k] = report
             tokens[k] = [s.completion for s in seqs]
-    return {k: statistics.median(v) for k, v in walls.items()}, reports, tokens
+    med = statistics.median
+    return ({k: med(v) for k, v in walls.items()}, {k: med(v) for k, v in cpus.items()},
+            {k: med(v) for k, v in steps.items()}, reports, tokens)
 
 
 def main() -> None:
@@ -155,61 +208,84 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=5)
     parser.add_argument("--spec-max-concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", choices=("hf", "builtin"), default="hf",
+                        help="hf: the CPU default's tiny Qwen2 shape; builtin: PolicyModel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     began, load0 = time.perf_counter(), os.getloadavg()[0]
-    cfg = PolicyConfig(vocab_size=VOCAB, d_model=128, n_layers=2, n_heads=4, d_ff=256,
-                       max_seq_len=MAX_LEN, mtp_heads=args.max_k)
-    model, trained = train(args, cfg)
+    with tempfile.TemporaryDirectory() as workdir:
+        model, trained = train(args, model_spec(args, Path(workdir)))
     ks = list(range(args.max_k + 1))
     sampled = batch_requests(args, 1.0)
     greedy = batch_requests(args, 0.0)
     walls: dict[int, list[float]] = {k: [] for k in ks}
     speedups: dict[int, list[float]] = {k: [] for k in ks}
+    cpu_speedups: dict[int, list[float]] = {k: [] for k in ks}
+    step_ms: dict[int, list[float]] = {k: [] for k in ks}
     rates: dict[int, list[float]] = {k: [] for k in ks}
     sampled_identical = True
     for _ in range(args.runs):
-        wall, reports, tokens = one_run(args, model, sampled, ks)
+        wall, cpu, step, reports, tokens = one_run(args, model, sampled, ks)
         made = {k: sum(len(t) for t in tokens[k]) for k in ks}
         sampled_identical &= all(tokens[k] == tokens[0] for k in ks)
         for k in ks:
             walls[k].append(wall[k])
             speedups[k].append(wall[0] / wall[k])
+            cpu_speedups[k].append(cpu[0] / cpu[k])
+            step_ms[k].append(step[k])
             rates[k].append(made[k] / wall[k])
     greedy_out = {k: [s.completion for s in decode(model, greedy, k, 0, args.batch)[1]]
                   for k in ks}
     load1 = os.getloadavg()[0]
     speedup = {k: spread(speedups[k]) for k in ks}
     best = max(ks[1:], key=lambda k: speedup[k]["median"])
-    print(f"trained: {trained}; batch {args.batch} requests (max_batch {args.batch}), lengths "
+    print(f"model: {args.model}; trained: {trained}; batch {args.batch} requests "
+          f"(max_batch {args.batch}), lengths "
           f"p50 {reports[0]['length_p50']}, p90 {reports[0]['length_p90']}, max "
           f"{reports[0]['length_max']}; temperature 1; speculation while <= "
           f"{args.spec_max_concurrency} requests run; {args.threads} torch thread(s); "
           f"1-min load average {load0:.2f} -> {load1:.2f}")
     print(f"wall_s: first admission -> last request finished, median of {args.repeats} "
           f"interleaved repeats per run; {args.runs} runs, median (min-max); speedup = wall "
-          f"at k=0 / wall at k, per run; acceptance = accepted / drafted drafts")
-    print(f"{'k':>2} {'wall_s':>22} {'tokens/s':>9} {'speedup':>22} {'acceptance':>10} "
-          f"{'spec_steps':>10} {'steps':>6} {'tail_steps':>10}")
+          f"at k=0 / wall at k, per run; cpu_speedup: the same with the decoding thread's CPU "
+          f"time; tail_step_ms: DecodeBatch.step call -> return while <= "
+          f"{args.spec_max_concurrency} requests run (k > 0: a verification step, drafting "
+          f"included), median over every such step of a run's repeats; acceptance = "
+          f"accepted / verified drafts, overall and per draft position (of the drafts "
+          f"that reached it)")
+    print(f"{'k':>2} {'wall_s':>22} {'tokens/s':>9} {'speedup':>22} {'cpu_speedup':>11} "
+          f"{'tail_step_ms':>12} {'acceptance':>10} {'spec_steps':>10} {'steps':>6}  "
+          f"acceptance by draft position")
     for k in ks:
         r, w, s = reports[k], spread(walls[k]), speedup[k]
         print(f"{k:>2} {w['median']:>7.3f} ({w['min']:.3f}-{w['max']:.3f}) "
               f"{statistics.median(rates[k]):>9.0f} "
               f"{s['median']:>7.3f} ({s['min']:.3f}-{s['max']:.3f}) "
+              f"{statistics.median(cpu_speedups[k]):>11.3f} "
+              f"{statistics.median(step_ms[k]):>12.3f} "
               f"{r['acceptance'] if r['acceptance'] is not None else '-':>10} "
-              f"{r['spec_steps']:>10} {r['steps']:>6} {r['tail_steps']:>10}")
+              f"{r['spec_steps']:>10} {r['steps']:>6}  {r['acceptance_by_position']}")
     out = {
         "best_k": best,
         "speedup_at_best_k": speedup[best],
         "acceptance_at_best_k": reports[best]["acceptance"],
+        "acceptance_by_position_at_best_k": reports[best]["acceptance_by_position"],
+        "verify_step_ms_at_best_k": spread(step_ms[best]),
+        "plain_step_ms": spread(step_ms[0]),
+        "verify_over_plain_step": round(statistics.median(step_ms[best])
+                                        / statistics.median(step_ms[0]), 3),
+        "cpu_speedup_at_best_k": spread(cpu_speedups[best]),
         "greedy_identical": all(greedy_out[k] == greedy_out[0] for k in ks),
         "sampled_identical": sampled_identical,
         "speedup": speedup,
         "wall_s": {k: spread(walls[k]) for k in ks},
         "tokens_per_s": {k: spread(rates[k], 1) for k in ks},
         "acceptance": {k: reports[k]["acceptance"] for k in ks},
+        "acceptance_by_position": {k: reports[k]["acceptance_by_position"] for k in ks},
+        "tail_step_ms": {k: spread(step_ms[k]) for k in ks},
+        "cpu_speedup": {k: spread(cpu_speedups[k]) for k in ks},
         "length_p50": reports[0]["length_p50"], "length_max": reports[0]["length_max"],
-        "spec_max_concurrency": args.spec_max_concurrency, **trained,
+        "model": args.model, "spec_max_concurrency": args.spec_max_concurrency, **trained,
         "repeats": args.repeats, "runs": args.runs,
         "load_avg_1m": [round(load0, 2), round(load1, 2)],
         "bench_wall_s": round(time.perf_counter() - began, 1),

@@ -11,9 +11,13 @@ yet streamed).  :class:`DecodeBatch` decodes a set of sequences together:
 - ``release`` hands every sequence back and forgets the cache, e.g. before a weight update, so
   that re-admitting them prefills with the new weights.
 
+The cache is a :class:`~erlay.actors.model.policy.KVBuffer`: preallocated keys and values with
+their key mask, into which each forward pass writes its new slots in place (no per-step
+concatenation of the whole cache, no conversion to and from a library's cache object).
+
 Batch invariants (what ``admit`` and ``step`` keep true between calls):
 
-- every row's real tokens are right-aligned in the cache and marked in ``key_mask``; padding
+- every row's real tokens are right-aligned in the cache and marked in its key mask; padding
   sits on the left and is never attended to;
 - row ``i``'s cache holds exactly ``len(rows[i].context)`` tokens, and ``_next_logits[i]`` is
   its distribution for completion position ``rows[i].position``.
@@ -50,8 +54,8 @@ from erlay.actors.engine.api import (
 )
 from erlay.actors.model.build import Policy
 from erlay.actors.model.mtp import Verify, draft_token, verify_draft
-from erlay.actors.model.policy import KVCache, left_pad
-from erlay.actors.model.sampling import sample_rows
+from erlay.actors.model.policy import KVBuffer, KVCache, left_pad
+from erlay.actors.model.sampling import sample_rows, uniforms
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
@@ -126,6 +130,23 @@ class Sequence:
         elif self.generated >= self.request.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
 
+    def record_many(self, tokens: list[int], logprobs: list[float]) -> int:
+        """:meth:`record` each token in turn until the sequence finishes, in one go; returns
+        how many were recorded."""
+        stops = self.request.stop_ids
+        n = min(len(tokens), max(1, self.request.max_new_tokens - self.generated))
+        for j in range(n):
+            if tokens[j] in stops:
+                n = j + 1
+                break
+        self.completion.extend(tokens[:n])
+        self._unstreamed_logprobs.extend(logprobs[:n])
+        if n and tokens[n - 1] in stops:
+            self.finish_reason = FinishReason.STOP
+        elif n and self.generated >= self.request.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        return n
+
     def finish(self, reason: FinishReason) -> None:
         """End the sequence now (an abort); a reason already set is kept."""
         if self.finish_reason is None:
@@ -178,6 +199,22 @@ def _pad_left(cache: KVCache, mask: torch.Tensor, width: int) -> tuple[KVCache, 
     return padded, torch.cat([mask.new_zeros((mask.shape[0], extra)), mask], dim=1)
 
 
+def _draft_draw(q: torch.Tensor, scale: torch.Tensor | None, greedy: torch.Tensor | None,
+                u: torch.Tensor) -> torch.Tensor:
+    """Coupled drafts from head logits ``q`` ``[B, V]``: the inverse-CDF draw at ``u``
+    ``[B, 1]`` of ``softmax(q / scale)`` (``scale`` None: 1), argmax where ``greedy`` (None:
+    no row), in torch on the logits' device, in their precision.
+
+    The rule of :func:`~erlay.actors.model.sampling.sample_rows` without its bit-exact
+    host-side float64 pass: a draft is only a proposal, verified by the exact draw, so a
+    rounding difference at a CDF boundary can at worst cost one acceptance, never a token.
+    """
+    z = q if scale is None else q / scale
+    drawn = torch.searchsorted(z.softmax(dim=-1).cumsum(dim=-1), u, right=True)[:, 0]
+    drawn = drawn.clamp_(max=q.shape[-1] - 1)
+    return drawn if greedy is None else torch.where(greedy, z.argmax(dim=-1), drawn)
+
+
 class DecodeBatch:
     """Sequences decoded together with one KV cache (see the module docstring for invariants).
 
@@ -187,12 +224,13 @@ class DecodeBatch:
     def __init__(self, model: Policy) -> None:
         self.model = model
         self.rows: list[Sequence] = []
-        self._cache: KVCache | None = None
-        self._mask: torch.Tensor | None = None          # [B, S] real-token mask of the cache
+        self._cache: KVBuffer | None = None             # with its [B, S] real-token mask
         self._next_logits: torch.Tensor | None = None   # [B, V]
         self._next_hidden: torch.Tensor | None = None   # [B, D]: what produced them
-        self.drafted = 0    # MTP drafts proposed, and accepted, since the batch was made
+        self.drafted = 0    # MTP drafts verified, and accepted, since the batch was made
         self.accepted = 0
+        self.drafted_at: list[int] = []    # the same per draft position (0: the first draft)
+        self.accepted_at: list[int] = []
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -211,17 +249,17 @@ class DecodeBatch:
         hidden, cache = self.model.hidden(tokens, positions, mask)
         next_hidden = hidden[:, -1]
         next_logits = self.model.head(next_hidden)
-        if self._cache is None or self._mask is None or self._next_logits is None \
-                or self._next_hidden is None:
-            self._cache, self._mask = cache, mask
+        if self._cache is None or self._next_logits is None or self._next_hidden is None:
+            self._cache = KVBuffer.from_cache(cache, mask)
             self._next_logits, self._next_hidden = next_logits, next_hidden
         else:
-            width = max(self._mask.shape[1], mask.shape[1])
-            old_cache, old_mask = _pad_left(self._cache, self._mask, width)
+            old = self._cache
+            width = max(old.width, mask.shape[1])
+            old_cache, old_mask = _pad_left(old.legacy(), old.mask[:, :old.width], width)
             new_cache, new_mask = _pad_left(cache, mask, width)
-            self._cache = [(torch.cat([ko, kn]), torch.cat([vo, vn]))
-                           for (ko, vo), (kn, vn) in zip(old_cache, new_cache, strict=True)]
-            self._mask = torch.cat([old_mask, new_mask])
+            merged = [(torch.cat([ko, kn]), torch.cat([vo, vn]))
+                      for (ko, vo), (kn, vn) in zip(old_cache, new_cache, strict=True)]
+            self._cache = KVBuffer.from_cache(merged, torch.cat([old_mask, new_mask]))
             self._next_logits = torch.cat([self._next_logits, next_logits])
             self._next_hidden = torch.cat([self._next_hidden, next_hidden])
         self.rows.extend(seqs)
@@ -249,8 +287,11 @@ class DecodeBatch:
         """Record each row's next token: sampled from its pending logits, or the token a
         rejected draft's verification already chose (``Sequence.forced``)."""
         assert self._next_logits is not None
-        logits = self._next_logits.to(torch.float64).cpu().numpy()
-        tokens, logprobs = self._sample(logits, self.rows, [s.position for s in self.rows])
+        if all(s.forced is not None for s in self.rows):
+            tokens = logprobs = np.empty(0)    # nothing left to sample
+        else:
+            logits = self._next_logits.to(torch.float64).cpu().numpy()
+            tokens, logprobs = self._sample(logits, self.rows, [s.position for s in self.rows])
         for i, seq in enumerate(self.rows):
             if seq.forced is not None:
                 seq.record(*seq.forced)
@@ -266,15 +307,14 @@ class DecodeBatch:
                            [s.request.seed for s in seqs], positions)
 
     def _advance(self) -> None:
-        assert self._cache is not None and self._mask is not None
+        assert self._cache is not None
         # The token fed is each row's last one; positions count real tokens, so its position
         # is the context length minus one.
         tokens = torch.tensor([[s.completion[-1]] for s in self.rows], dtype=torch.long)
         positions = torch.tensor([[len(s.request.prompt_ids) + s.position - 1]
                                   for s in self.rows], dtype=torch.long)
-        mask = torch.cat([self._mask, self._mask.new_ones((len(self.rows), 1))], dim=1)
-        hidden, self._cache = self.model.hidden(tokens, positions, mask, self._cache)
-        self._mask = mask
+        mask = self._cache.reserve(1)
+        hidden, _ = self.model.hidden(tokens, positions, mask, self._cache)
         self._next_hidden = hidden[:, -1]
         self._next_logits = self.model.head(self._next_hidden)
 
@@ -293,96 +333,136 @@ class DecodeBatch:
         finished = self.drop_finished()
         if not self.rows:
             return finished
-        assert self._cache is not None and self._mask is not None \
-            and self._next_hidden is not None
+        assert self._cache is not None and self._next_hidden is not None
         cfg = self.model.cfg
+        n = len(self.rows)
         # Each row drafts no further than its token budget and the model's context allow.
+        lengths = [len(s.request.prompt_ids) + len(s.completion) for s in self.rows]
         budgets = [max(0, min(k, s.request.max_new_tokens - s.generated,
-                              cfg.max_seq_len - len(s.context))) for s in self.rows]
+                              cfg.max_seq_len - length))
+                   for s, length in zip(self.rows, lengths, strict=True)]
+        temps = np.array([s.request.temperature for s in self.rows])
+        seeds = [s.request.seed for s in self.rows]
+        starts = [s.position for s in self.rows]
+        last = [s.completion[-1] for s in self.rows]
         h = self._next_hidden
-        token = torch.tensor([s.completion[-1] for s in self.rows], dtype=torch.long)
-        drafts: list[list[int]] = [[] for _ in self.rows]
+        token = torch.tensor(last, dtype=torch.long)
+        # The uniforms of the k + 1 positions fed, drawn once: drafting and verification use
+        # the same ones (coupled).
+        u = uniforms([x for x in seeds for _ in range(k + 1)],
+                     [p + j for p in starts for j in range(k + 1)]).reshape(n, k + 1)
+        columns = [token]
         draft_logits: list[np.ndarray] = []
+        if verify == "coupled":
+            like = self._next_hidden
+            u_t = torch.from_numpy(u.T.copy()).to(like)[:, :, None]        # [k + 1, B, 1]
+            scale = None if np.all((temps == 0) | (temps == 1)) else \
+                torch.from_numpy(np.where(temps > 0, temps, 1.0)).to(like)[:, None]
+            greedy = torch.from_numpy(temps == 0).to(like.device) if np.any(temps == 0) \
+                else None
         for j in range(k):
-            h, q = self.model.draft_step(j, h, token)
+            h, q = self.model.draft_step(j, h, columns[-1])
+            if verify == "coupled":   # the draw plain decoding makes there, near enough
+                columns.append(_draft_draw(q, scale, greedy, u_t[j]))
+                continue
             q64 = q.to(torch.float64).cpu().numpy()
             draft_logits.append(q64)
-            if verify == "coupled":   # the draw plain decoding makes at that position
-                drawn = self._sample(q64, self.rows, [s.position + j for s in self.rows])[0]
-            else:
-                drawn = [draft_token(q64[i], s.request.temperature, s.request.seed,
-                                     s.position + j, verify) for i, s in enumerate(self.rows)]
-            for i in range(len(self.rows)):
-                drafts[i].append(int(drawn[i]))
-            token = torch.tensor([d[-1] for d in drafts], dtype=torch.long)
-        fed = torch.tensor([[s.completion[-1], *d] for s, d in zip(self.rows, drafts,
-                                                                   strict=True)])
-        base = torch.tensor([[len(s.context) - 1] for s in self.rows])
+            columns.append(torch.tensor([draft_token(q64[i], s.request.temperature,
+                                                     s.request.seed, s.position + j, verify)
+                                         for i, s in enumerate(self.rows)]))
+        fed = torch.stack(columns, dim=1)
+        base = torch.tensor(lengths)[:, None] - 1
         positions = (base + torch.arange(k + 1)[None, :]).clamp(max=cfg.max_seq_len - 1)
-        mask = torch.cat([self._mask, self._mask.new_ones((len(self.rows), k + 1))], dim=1)
-        hidden, self._cache = self.model.hidden(fed, positions, mask, self._cache)
-        p64 = self.model.head(hidden).to(torch.float64).cpu().numpy()
+        mask = self._cache.reserve(k + 1)
+        hidden, _ = self.model.hidden(fed, positions, mask, self._cache)
+        logits = self.model.head(hidden)                                  # [B, k + 1, V]
+        p64 = logits.to(torch.float64).cpu().numpy()
+        drafts = fed[:, 1:].tolist()
         if verify == "coupled":
-            return finished + self._accept_coupled(k, drafts, budgets, p64, hidden, mask)
-        keep = []
-        for i, seq in enumerate(self.rows):
-            req, accepted = seq.request, 0
-            for j in range(budgets[i]):
-                tok, logprob, ok = verify_draft(p64[i, j], draft_logits[j][i], drafts[i][j],
-                                                req.temperature, req.seed, seq.position,
-                                                verify)
-                self.drafted += 1
-                if not ok:
-                    # Coupled: the replacement is what the next step samples anyway.
-                    # Rejection: it was drawn from the residual, so the next step must
-                    # take it as its token instead of sampling (it is not in the cache).
-                    if verify == "rejection":
-                        seq.forced = (tok, logprob)
-                    break
-                self.accepted += 1
-                accepted += 1
-                seq.record(tok, logprob)
-                if seq.finished:
-                    break
-            keep.append(accepted)
-            mask[i, mask.shape[1] - k + accepted:] = False    # the unaccepted drafts' slots
-        self._mask = mask
-        rows = torch.arange(len(self.rows))
-        last = torch.tensor(keep)
-        self._next_hidden = hidden[rows, last]
-        self._next_logits = self.model.head(self._next_hidden)
+            keep = self._accept_coupled(k, drafts, budgets, p64, temps, u)
+        else:
+            keep = []
+            for i, seq in enumerate(self.rows):
+                req, accepted = seq.request, 0
+                for j in range(budgets[i]):
+                    tok, logprob, ok = verify_draft(p64[i, j], draft_logits[j][i],
+                                                    drafts[i][j], req.temperature, req.seed,
+                                                    seq.position, verify)
+                    self._count(j, ok)
+                    if not ok:
+                        # Coupled: the replacement is what the next step samples anyway.
+                        # Rejection: it was drawn from the residual, so the next step must
+                        # take it as its token instead of sampling (it is not in the cache).
+                        if verify == "rejection":
+                            seq.forced = (tok, logprob)
+                        break
+                    accepted += 1
+                    seq.record(tok, logprob)
+                    if seq.finished:
+                        break
+                keep.append(accepted)
+        # The unaccepted drafts' slots: masked out of every later attention.
+        width = self._cache.width
+        kept = torch.tensor(keep)
+        self._cache.mask[:, width - k:width] &= torch.arange(k)[None, :] < kept[:, None]
+        rows = torch.arange(n)
+        self._next_hidden = hidden[rows, kept]
+        self._next_logits = logits[rows, kept]
         return finished + self.drop_finished()
 
+    def _tally(self, accepted: int, rejected: bool) -> None:
+        """Tally drafts 0 .. accepted - 1 as accepted and, if ``rejected``, draft ``accepted``
+        as verified and rejected."""
+        verified = accepted + rejected
+        while len(self.drafted_at) < verified:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for j in range(verified):
+            self.drafted_at[j] += 1
+        for j in range(accepted):
+            self.accepted_at[j] += 1
+        self.drafted += verified
+        self.accepted += accepted
+
+    def _count(self, j: int, accepted: bool) -> None:
+        """Tally one verified draft at draft position ``j`` (0-based)."""
+        while len(self.drafted_at) <= j:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        self.drafted += 1
+        self.drafted_at[j] += 1
+        if accepted:
+            self.accepted += 1
+            self.accepted_at[j] += 1
+
     def _accept_coupled(self, k: int, drafts: list[list[int]], budgets: list[int],
-                        p64: np.ndarray, hidden: torch.Tensor,
-                        mask: torch.Tensor) -> list[Sequence]:
+                        p64: np.ndarray, temps: np.ndarray, u: np.ndarray) -> list[int]:
         """Coupled verification for every row and draft at once: the base model's own draw at
-        each drafted position (one vectorised sample); a row keeps its drafts up to the first
-        that differs from that draw, its budget, or its stop token."""
+        each of the ``k + 1`` positions fed (one vectorised sample with their uniforms ``u``
+        ``[B, k + 1]``); a row keeps its drafts up to the first that differs
+        from that draw, its budget, or its stop token.  The draw after its last kept draft
+        is plain decoding's next token, from the very logits the next step would sample:
+        it becomes the row's ``forced`` token, so that step samples nothing.  Returns the
+        drafts kept per row."""
         n = len(self.rows)
-        rows = [s for s in self.rows for _ in range(k)]
-        positions = [s.position + j for s in self.rows for j in range(k)]
-        base, logprobs = self._sample(p64[:, :k].reshape(n * k, -1), rows, positions)
-        base, logprobs = base.reshape(n, k), logprobs.reshape(n, k)
+        base, logprobs = sample_rows(p64.reshape(n * (k + 1), -1), np.repeat(temps, k + 1),
+                                     [], [], u=u.reshape(-1))
+        base, logprobs = base.reshape(n, k + 1).tolist(), logprobs.reshape(n, k + 1).tolist()
         keep = []
         for i, seq in enumerate(self.rows):
-            accepted = 0
-            for j in range(budgets[i]):
-                self.drafted += 1
-                if int(base[i, j]) != drafts[i][j]:
-                    break
-                self.accepted += 1
-                accepted += 1
-                seq.record(drafts[i][j], float(logprobs[i, j]))
-                if seq.finished:
-                    break
+            drawn, draft, budget = base[i], drafts[i], budgets[i]
+            agree = 0
+            while agree < budget and drawn[agree] == draft[agree]:
+                agree += 1
+            accepted = seq.record_many(draft[:agree], logprobs[i][:agree]) if agree else 0
+            # Verified: the accepted drafts, and the first disagreement unless the row
+            # finished (a stop among them) or ran out of budget first.
+            rejected = not seq.finished and agree < budget
+            self._tally(accepted, rejected)
+            if not seq.finished:
+                seq.forced = (drawn[accepted], logprobs[i][accepted])
             keep.append(accepted)
-            mask[i, mask.shape[1] - k + accepted:] = False    # the unaccepted drafts' slots
-        self._mask = mask
-        last = torch.tensor(keep)
-        self._next_hidden = hidden[torch.arange(n), last]
-        self._next_logits = self.model.head(self._next_hidden)
-        return self.drop_finished()
+        return keep
 
     @torch.inference_mode()
     def drop_finished(self) -> list[Sequence]:
@@ -393,17 +473,15 @@ class DecodeBatch:
         gone = [s for s in self.rows if s.finished]
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self._cache = self._mask = self._next_logits = self._next_hidden = None
+            self._cache = self._next_logits = self._next_hidden = None
             return gone
-        assert self._cache is not None and self._mask is not None \
-            and self._next_logits is not None and self._next_hidden is not None
+        assert self._cache is not None and self._next_logits is not None \
+            and self._next_hidden is not None
         index = torch.tensor(keep, dtype=torch.long)
-        mask = self._mask.index_select(0, index)
+        used = self._cache.mask[:, :self._cache.width].index_select(0, index)
         # Columns that are padding in every remaining row are dead weight: trim them.
-        first = int(mask.any(dim=0).long().argmax())
-        self._mask = mask[:, first:]
-        self._cache = [(k.index_select(0, index)[:, :, first:],
-                        v.index_select(0, index)[:, :, first:]) for k, v in self._cache]
+        first = int(used.any(dim=0).long().argmax())
+        self._cache = self._cache.select(index, first)
         self._next_logits = self._next_logits.index_select(0, index)
         self._next_hidden = self._next_hidden.index_select(0, index)
         return gone
@@ -411,7 +489,7 @@ class DecodeBatch:
     def release(self) -> list[Sequence]:
         """Empty the batch and return its sequences; re-admitting them prefills from scratch."""
         rows, self.rows = self.rows, []
-        self._cache = self._mask = self._next_logits = self._next_hidden = None
+        self._cache = self._next_logits = self._next_hidden = None
         for seq in rows:
             seq.forced = None   # chosen under the weights being replaced: sample it again
         return rows

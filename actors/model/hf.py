@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from erlay.actors.model.policy import KVCache, MTPModule
+from erlay.actors.model.policy import KVBuffer, KVCache, MTPModule
 from erlay.supervisor.errors import ErlayError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,28 +132,154 @@ class HFPolicy(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
                 nn.init.zeros_(module.bias)
         self.mtp.to(next(lm.parameters()).dtype)
+        self._lean: bool | None = None   # lean_layers(lm), decided on first use
+        self._parts: dict[str, nn.Module] = {}   # plain dict: not registered as submodules
+        self._rope_table: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+        self._plan_cache: tuple[list[nn.Parameter], list[tuple[int, int]], list[Any]] | None \
+            = None
 
+    def _rotary(self, stack: nn.Module, x: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``stack.rotary_emb``'s cos and sin at ``positions``, ``[B, 1, T, Dh]``, looked up in
+        a table it computed once for every position (element for element the same values;
+        dynamic RoPE variants, whose frequencies depend on the length, are computed each
+        call).  The sin comes with its first half negated, so that HF's
+        ``x * cos + rotate_half(x) * sin`` is ``x * cos + x.roll(Dh / 2) * sin`` (exactly:
+        negation is exact)."""
+        rotary = stack.rotary_emb
+        if "dynamic" in str(getattr(rotary, "rope_type", "")):
+            cos, sin = rotary(x, positions)
+            return cos[:, None], _sign_first_half(sin)[:, None]
+        key = (x.dtype, x.device)
+        if self._rope_table is None or self._rope_table[0] != key:
+            every = torch.arange(self.cfg.max_seq_len, device=x.device)[None]
+            cos, sin = rotary(x, every)
+            self._rope_table = (key, cos[0], _sign_first_half(sin[0]))
+        _, cos, sin = self._rope_table
+        return cos[positions][:, None], sin[positions][:, None]
+
+    def _plan(self, stack: nn.Module) -> list[Any]:
+        """The tensors :meth:`_lean_hidden` reads, gathered once: per layer the RMSNorm
+        weights and epsilons, the q, k and v projections as one weight and bias, the MLP's
+        gate and up projections as one weight, the output projections, and the attention's
+        shape; then the final norm.  Reading them through the module tree costs more than the
+        arithmetic on a few rows.  Rebuilt whenever a source parameter was replaced or changed
+        in place (a weight update, an optimiser step: ``_version``)."""
+        if self._plan_cache is not None:
+            sources, stamp, plan = self._plan_cache
+            if stamp == [(p.data_ptr(), p._version) for p in sources]:
+                return plan
+        sources = list(stack.parameters())
+        layers = []
+        with torch.no_grad():
+            for layer in stack.layers:
+                a, m = layer.self_attn, layer.mlp
+                projections = (a.q_proj, a.k_proj, a.v_proj)
+                bias = None if all(p.bias is None for p in projections) else torch.cat(
+                    [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                     for p in projections])
+                layers.append((
+                    layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                    torch.cat([p.weight for p in projections]), bias,
+                    [p.out_features for p in projections], a.head_dim, a.num_key_value_groups,
+                    a.scaling, a.o_proj.weight, a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    layer.post_attention_layernorm.variance_epsilon,
+                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight,
+                    m.down_proj.bias))
+        plan = [stack.embed_tokens.weight, layers, stack.norm.weight,
+                stack.norm.variance_epsilon]
+        self._plan_cache = (sources, [(p.data_ptr(), p._version) for p in sources], plan)
+        return plan
+
+    def _lean_hidden(self, tokens: torch.Tensor, positions: torch.Tensor,
+                     key_mask: torch.Tensor, buffer: KVBuffer) -> torch.Tensor:
+        """The HF Llama-style decoder forward (embedding, per layer: RMSNorm, rotary q/k,
+        attention, residual, RMSNorm, gated SiLU MLP, residual; final norm) in torch's
+        functions on the weights of :meth:`_plan`, with the new keys and values written into
+        ``buffer`` and the attention mask built directly: query ``i`` (slot ``S - T + i``)
+        sees real keys up to its own slot, and always its own slot (a pad query would
+        otherwise attend to nothing and produce NaN).  Equal to HF's forward up to float32
+        rounding (fused projections; ``tests/actors/engine/test_hf_core.py``)."""
+        stack = self.backbone
+        embed_w, layers, norm_w, norm_eps = self._plan(stack)
+        b, t = tokens.shape
+        s = key_mask.shape[1]
+        slots = torch.arange(s)
+        own = slots[s - t:, None]
+        allowed = (slots[None, None, :] <= own[None]) & key_mask[:, None, :]
+        allowed = (allowed | (slots[None, None, :] == own[None]))[:, None]      # [B, 1, T, S]
+        x = F.embedding(tokens, embed_w)
+        cos, sin = self._rotary(stack, x, positions)
+        half = cos.shape[-1] // 2
+        width = (x.shape[-1],)
+        for i, (ln1, eps1, w_qkv, b_qkv, sizes, head_dim, groups, scaling, w_o, b_o, ln2, eps2,
+                w_gu, w_down, b_down) in enumerate(layers):
+            q, k, v = F.linear(torch.rms_norm(x, width, ln1, eps1), w_qkv, b_qkv).split(sizes, -1)
+            q = q.view(b, t, -1, head_dim).transpose(1, 2)
+            k = k.view(b, t, -1, head_dim).transpose(1, 2)
+            v = v.view(b, t, -1, head_dim).transpose(1, 2)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
+            k, v = buffer.write(i, k, v)
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+            x = x + F.linear(out.transpose(1, 2).reshape(b, t, -1), w_o, b_o)
+            gate, up = F.linear(torch.rms_norm(x, width, ln2, eps2), w_gu).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, w_down, b_down)
+        buffer.commit()
+        return torch.rms_norm(x, width, norm_w, norm_eps)
+
+    # The three submodules below are looked up once: HF's getters walk the model each call,
+    # which costs more than a draft step's arithmetic.  The module tree is fixed after
+    # construction (LoRA wraps before it), so the lookups cannot go stale.
     @property
     def backbone(self) -> nn.Module:
         """The decoder stack (``model``, ``transformer``, ...): hidden states, no head."""
-        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
-        return base.get_decoder() if hasattr(base, "get_decoder") else base.base_model
+        if "backbone" not in self._parts:
+            base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+            self._parts["backbone"] = base.get_decoder() if hasattr(base, "get_decoder") \
+                else base.base_model
+        return self._parts["backbone"]
 
     @property
     def head(self) -> nn.Module:
-        return self.lm.get_output_embeddings()
+        if "head" not in self._parts:
+            self._parts["head"] = self.lm.get_output_embeddings()
+        return self._parts["head"]
 
     @property
     def embed(self) -> nn.Module:
-        return self.lm.get_input_embeddings()
+        if "embed" not in self._parts:
+            self._parts["embed"] = self.lm.get_input_embeddings()
+        return self._parts["embed"]
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
-               cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
-        """Final hidden states ``[B, T, D]`` and the updated cache (module docstring)."""
+               cache: KVCache | KVBuffer | None = None
+               ) -> tuple[torch.Tensor, KVCache | KVBuffer]:
+        """Final hidden states ``[B, T, D]`` and the updated cache (module docstring).
+
+        A :class:`~erlay.actors.model.policy.KVBuffer` cache (the decode loop's, after its
+        ``reserve``) is updated in place and returned; for a Llama-style decoder stack
+        (:func:`lean_layers`) it runs :meth:`_lean_hidden`, the same computation as the HF
+        forward without its per-call mask building and cache objects."""
         from transformers import DynamicCache
         if int(positions.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(positions.max())} exceeds max_seq_len "
                              f"{self.cfg.max_seq_len}")
+        if isinstance(cache, KVBuffer):
+            if self._lean is None:
+                self._lean = lean_layers(self.lm)
+            if self._lean:
+                return self._lean_hidden(tokens, positions, key_mask, cache), cache
+            t = tokens.shape[1]
+            h, full = self.hidden(tokens, positions, key_mask, cache.legacy())
+            for i, (k, v) in enumerate(full):
+                cache.write(i, k[:, :, -t:], v[:, :, -t:])
+            cache.commit()
+            return h, cache
         use_cache = not torch.is_grad_enabled() or cache is not None
         past = None
         if use_cache:
@@ -174,8 +301,11 @@ class HFPolicy(nn.Module):
     def draft_step(self, k: int, h: torch.Tensor, token: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP module ``k`` on ``h`` ``[B, D]`` and the tokens ``[B]`` at offset ``k + 1``."""
-        nxt = self.mtp[k](h, self.embed(token))
-        return nxt, self.head(nxt)
+        embed, head = self.embed, self.head
+        emb = F.embedding(token, embed.weight) if type(embed) is nn.Embedding else embed(token)
+        nxt = self.mtp[k](h, emb)
+        return nxt, (F.linear(nxt, head.weight, head.bias) if type(head) is nn.Linear
+                     else head(nxt))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -191,6 +321,42 @@ class HFPolicy(nn.Module):
             k: v for k, v in self.lm.state_dict().items()}
         state.update({f"mtp.{k}": v for k, v in self.mtp.state_dict().items()})
         return {k: v.detach().to(torch.float32).cpu().numpy().copy() for k, v in state.items()}
+
+
+def _sign_first_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., :half], x[..., half:]), dim=-1)
+
+
+LEAN_TYPES = ("llama", "qwen2", "mistral")
+
+
+def lean_layers(lm: nn.Module) -> bool:
+    """Whether :meth:`HFPolicy._lean_hidden` computes ``lm``'s decoder forward: a plain (no
+    LoRA, no remote code) float32 Llama, Qwen2 or Mistral whose every layer is full attention
+    with rotary q/k, no extra q/k norms, and a SiLU-gated MLP.  Anything else runs HF's own
+    forward."""
+    config = lm.config
+    if next(lm.parameters()).dtype != torch.float32:   # HF normalises in float32 and casts
+        return False
+    if getattr(config, "model_type", None) not in LEAN_TYPES or hasattr(lm, "peft_config") \
+            or type(lm).__module__.split(".")[0] != "transformers":
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()) \
+            or getattr(config, "hidden_act", None) not in ("silu", "swish") \
+            or (getattr(config, "sliding_window", None)
+                and getattr(config, "use_sliding_window", True)):
+        return False
+    stack = getattr(lm, "model", None)
+    if stack is None or not all(hasattr(stack, n) for n in ("embed_tokens", "rotary_emb",
+                                                            "layers", "norm")):
+        return False
+    return all(hasattr(layer, "self_attn") and not hasattr(layer.self_attn, "q_norm")
+               and hasattr(layer.self_attn, "num_key_value_groups")
+               and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+               and all(hasattr(norm, "variance_epsilon") for norm in
+                       (layer.input_layernorm, layer.post_attention_layernorm, stack.norm))
+               for layer in stack.layers)
 
 
 def _dtype(name: str, config: Any) -> torch.dtype:

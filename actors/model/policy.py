@@ -7,7 +7,10 @@ Shapes: ``tokens`` and ``positions`` are ``[B, T]``; ``key_mask`` is ``[B, S]`` 
 key the new tokens may attend to (the cache, then the new tokens), True for real tokens.
 Sequences may be left-padded; positions then count real tokens only.
 
-The KV cache is a list with one ``(k, v)`` pair per layer, each ``[B, H, S, Dh]``.
+The KV cache is a list with one ``(k, v)`` pair per layer, each ``[B, H, S, Dh]`` (the
+learner's and the prefill's form), or a :class:`KVBuffer`, the decode loop's preallocated form:
+the model writes the new tokens' keys and values into its free slots instead of concatenating
+a new cache every step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,81 @@ from torch import nn
 from torch.nn import functional as F
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVBuffer:
+    """A preallocated KV cache for decoding, with its key mask.
+
+    ``keys[l]``/``values[l]`` are ``[B, H, capacity, Dh]``, ``mask`` is ``[B, capacity]``; the
+    first ``width`` slots are in use (the cache's ``S``).  A forward pass over ``t`` new tokens
+    calls :meth:`reserve` (``t`` more slots, marked real in ``mask``), then the model calls
+    :meth:`write` once per layer, which stores the new keys and values at slots
+    ``width .. width + t`` and returns every key and value so far (views, no copy), and finally
+    :meth:`commit` advances ``width``.  Growing past the capacity reallocates with room to
+    spare, so a decode loop allocates O(log length) times instead of every step.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 mask: torch.Tensor, width: int) -> None:
+        self.keys, self.values, self.mask, self.width = keys, values, mask, width
+        self._pending = 0
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, mask: torch.Tensor, spare: int = 32) -> KVBuffer:
+        """A buffer holding ``cache`` (``S`` slots, ``mask`` ``[B, S]``) with ``spare`` free."""
+        width = mask.shape[1]
+        out = cls([], [], mask.new_zeros((mask.shape[0], width + spare)), width)
+        out.mask[:, :width] = mask
+        for k, v in cache:
+            kb = k.new_zeros((k.shape[0], k.shape[1], width + spare, k.shape[3]))
+            vb = v.new_zeros((v.shape[0], v.shape[1], width + spare, v.shape[3]))
+            kb[:, :, :width] = k
+            vb[:, :, :width] = v
+            out.keys.append(kb)
+            out.values.append(vb)
+        return out
+
+    def __len__(self) -> int:
+        return self.width
+
+    @property
+    def capacity(self) -> int:
+        return self.mask.shape[1]
+
+    def reserve(self, t: int) -> torch.Tensor:
+        """Make room for ``t`` new slots, mark them real; the key mask ``[B, width + t]``."""
+        if self.width + t > self.capacity:
+            grow = max(t, self.capacity // 2, 16)
+            self.mask = torch.cat([self.mask, self.mask.new_zeros((len(self.mask), grow))], 1)
+            for store in (self.keys, self.values):
+                for i, z in enumerate(store):
+                    store[i] = torch.cat([z, z.new_zeros((*z.shape[:2], grow, z.shape[3]))], 2)
+        self.mask[:, self.width:self.width + t] = True
+        self._pending = t
+        return self.mask[:, :self.width + t]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` ``[B, H, t, Dh]`` of the reserved slots; all keys/values so far."""
+        end = self.width + k.shape[2]
+        self.keys[layer][:, :, self.width:end] = k
+        self.values[layer][:, :, self.width:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def commit(self) -> None:
+        self.width += self._pending
+        self._pending = 0
+
+    def legacy(self) -> KVCache:
+        """The used slots as a list cache (views)."""
+        return [(k[:, :, :self.width], v[:, :, :self.width])
+                for k, v in zip(self.keys, self.values, strict=True)]
+
+    def select(self, rows: torch.Tensor, first: int = 0) -> KVBuffer:
+        """Rows ``rows`` only, without slots before ``first`` (copies)."""
+        return KVBuffer([k.index_select(0, rows)[:, :, first:] for k in self.keys],
+                        [v.index_select(0, rows)[:, :, first:] for v in self.values],
+                        self.mask.index_select(0, rows)[:, first:], self.width - first)
 
 
 @dataclass(frozen=True)
@@ -54,13 +132,16 @@ class Block(nn.Module):
                                  nn.Linear(cfg.d_ff, cfg.d_model))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None
+                cache: tuple[torch.Tensor, torch.Tensor] | None,
+                buffer: KVBuffer | None = None, layer: int = 0
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
         shape = (b, t, self.n_heads, d // self.n_heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
-        if cache is not None:
+        if buffer is not None:
+            k, v = buffer.write(layer, k, v)
+        elif cache is not None:
             k = torch.cat([cache[0], k], dim=2)
             v = torch.cat([cache[1], v], dim=2)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -86,11 +167,23 @@ class MTPModule(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, d_model), nn.GELU(),
                                  nn.Linear(d_model, d_model))
         self.out = nn.LayerNorm(d_model)
+        self._flat: Any = None   # forward's parameter lists, gathered on first use
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """``h`` and ``emb`` are ``[..., D]``; returns the next depth's ``[..., D]``."""
-        z = self.proj(torch.cat([self.norm_h(h), self.norm_e(emb)], dim=-1))
-        return self.out(z + self.mlp(self.norm(z)))
+        """``h`` and ``emb`` are ``[..., D]``; returns the next depth's ``[..., D]``.
+
+        The submodules' own functions on their parameters (the same ops, so the same
+        numbers), gathered once: drafting runs this k times per decode step on a few rows,
+        where module calls and attribute lookups would be most of its cost.  The parameters
+        are referenced, not copied (in-place updates and ``load_state_dict`` keep them)."""
+        if self._flat is None:
+            norms = (self.norm_h, self.norm_e, self.norm, self.out)
+            self._flat = ([(m.normalized_shape, m.weight, m.bias, m.eps) for m in norms],
+                          [(m.weight, m.bias) for m in (self.proj, self.mlp[0], self.mlp[2])])
+        (n_h, n_e, n_z, n_out), (proj, up, down) = self._flat
+        norm = torch.layer_norm   # F.layer_norm's kernel, without its Python wrapper
+        z = F.linear(torch.cat([norm(h, *n_h), norm(emb, *n_e)], dim=-1), *proj)
+        return norm(z + F.linear(F.gelu(F.linear(norm(z, *n_z), *up)), *down), *n_out)
 
 
 class PolicyModel(nn.Module):
@@ -117,8 +210,10 @@ class PolicyModel(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
-               cache: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
-        """Final hidden states ``[B, T, D]`` and the updated cache."""
+               cache: KVCache | KVBuffer | None = None
+               ) -> tuple[torch.Tensor, KVCache | KVBuffer]:
+        """Final hidden states ``[B, T, D]`` and the updated cache (a :class:`KVBuffer`
+        cache is updated in place, after :meth:`KVBuffer.reserve`, and returned)."""
         t = tokens.shape[1]
         s = key_mask.shape[1]
         if int(positions.max()) >= self.cfg.max_seq_len:
@@ -134,6 +229,11 @@ class PolicyModel(nn.Module):
         allowed = allowed | (slots[None, None, :] == query_slots[None, :, None])
         mask = allowed[:, None]                                              # [B, 1, T, S]
         x = self.embed(tokens) + self.pos(positions)
+        if isinstance(cache, KVBuffer):
+            for i, block in enumerate(self.blocks):
+                x, _ = block(x, mask, None, cache, i)
+            cache.commit()
+            return self.norm(x), cache
         new_cache: KVCache = []
         for i, block in enumerate(self.blocks):
             x, kv = block(x, mask, cache[i] if cache is not None else None)

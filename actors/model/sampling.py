@@ -117,9 +117,12 @@ def sample_token_f64(logits_row: np.ndarray, temperature: float, seed: int,
 
 
 def sample_rows(logits: np.ndarray, temperatures: np.ndarray, seeds: list[int],
-                positions: list[int]) -> tuple[np.ndarray, np.ndarray]:
+                positions: list[int], u: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`sample_token_f64` on every row of a float64 ``[N, V]`` matrix at once:
-    (tokens ``[N]``, logprobs ``[N]``), bit-for-bit the per-row results.
+    (tokens ``[N]``, logprobs ``[N]``), bit-for-bit the per-row results.  ``u``, when given,
+    is ``uniforms(seeds, positions)`` computed beforehand (speculative drafting draws for
+    several positions in turn); ``seeds`` and ``positions`` are then not read.
 
     The same elementwise operations in the same order (a cumulative sum runs along each row
     sequentially either way); only the Python loop is gone, which dominates the engine's step
@@ -138,7 +141,8 @@ def sample_rows(logits: np.ndarray, temperatures: np.ndarray, seeds: list[int],
     total = cdf[:, -1]
     if not np.all(np.isfinite(total)) or np.any(total <= 0):
         raise ValueError("logits have no finite probability mass")
-    u = uniforms(seeds, positions)
+    if u is None:
+        u = uniforms(seeds, positions)
     drawn = (cdf <= (total * u)[:, None]).sum(axis=1)
     last_with_mass = (cdf < total[:, None]).sum(axis=1)
     tokens = np.where(temps == 0, np.argmax(z, axis=1), np.minimum(drawn, last_with_mass))
