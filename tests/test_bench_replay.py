@@ -1,5 +1,7 @@
-"""bench/replay.py's prefill ledger: which generate calls are resumed calls, and what the
-engines reported prefilling for them.  No Ray: the batcher's stream is replaced by a script."""
+"""bench/replay.py's bookkeeping, without Ray: the prefill ledger (which generate calls are
+resumed calls, and what the engines reported prefilling for them; the batcher's stream is
+replaced by a script), the stages a resume's time is split into, and the kill schedule's
+choice of victim."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from bench.replay import PrefillLedger, turn_of
+from bench.replay import STAGES, EngineView, PrefillLedger, pick_victim, resume_stages, turn_of
 from erlay.actors.job.domains import EngineBatcher
+from erlay.actors.job.rollout import Resume
 from erlay.supervisor.errors import ChildNotRunning
 
 
@@ -94,3 +97,63 @@ def test_listening_feeds_the_ledger_from_the_batcher_streams_and_then_lets_go(
     assert EngineBatcher.stream is scripted
     assert ledger.figures()["prefill_tokens_recomputed"] == 6
     assert ledger.figures()["resumed_calls"] == 1
+
+
+# ------------------------------------------------------------------- resume stages
+def resume(failed: float, dispatched: float, first: float,
+           engine: dict[str, float] | None = None, rid: str = "r0") -> Resume:
+    return Resume(rid, failed, dispatched, first, engine)
+
+
+def test_the_stages_of_a_resume_follow_its_events_and_add_up_to_its_total() -> None:
+    engine = {"received": 10.5, "admitted": 10.6, "prefilled": 10.9, "sent": 10.95}
+    stages = resume_stages([9.0, 10.0], [resume(10.1, 10.3, 11.0, engine)])
+    ms = {name: round(values[0]) for name, values in stages.items()}
+    assert ms == {"resume": 1000, "failure_seen": 100, "redispatch": 200, "deliver": 200,
+                  "queue": 100, "prefill": 300, "decode": 50, "return": 50}
+    assert sum(ms[name] for name, _, _ in STAGES) == ms["resume"]
+
+
+def test_a_resume_without_engine_timing_has_only_the_callers_stages() -> None:
+    stages = resume_stages([1.0], [resume(1.2, 1.3, 2.0)])
+    assert [round(v) for v in stages["resume"]] == [1000]
+    assert [round(v) for v in stages["failure_seen"]] == [200]
+    assert [round(v) for v in stages["redispatch"]] == [100]
+    assert all(stages[name] == [] for name in ("deliver", "queue", "prefill", "decode",
+                                               "return"))
+
+
+def test_a_resume_counts_from_the_last_kill_before_its_failure_and_none_without_one() -> None:
+    stages = resume_stages([5.0, 8.0], [resume(6.0, 6.0, 7.0, rid="a"),
+                                        resume(4.0, 4.0, 4.5, rid="before-any-kill")])
+    assert [round(v) for v in stages["resume"]] == [2000]
+
+
+# ---------------------------------------------------------------------- kill schedule
+def view(path: str, incarnation: int = 1, running: bool = True, admitted: bool = True,
+         load: int = 0) -> EngineView:
+    return EngineView((path, incarnation), running, admitted, load)
+
+
+def test_an_engine_is_killed_once_it_has_streamed_while_the_other_serves() -> None:
+    busy: dict[str, int] = {}
+    views = [view("e0", load=3), view("e1", load=3)]
+    assert pick_victim(views, set(), busy, chunks=10) is None   # busy from now on
+    assert pick_victim(views, set(), busy, chunks=13) is None
+    assert pick_victim(views, set(), busy, chunks=14) == ("e0", 1)
+
+
+def test_a_killed_engine_that_still_looks_running_is_no_refuge() -> None:
+    """Its supervisor has not handled the exit yet: same incarnation, admitted, running."""
+    busy = {"e1": 0}
+    views = [view("e0", load=3), view("e1", load=3)]
+    assert pick_victim(views, {("e0", 1)}, busy, chunks=50) is None
+
+
+def test_an_engine_restarting_or_not_admitted_is_no_refuge() -> None:
+    for other in (view("e0", -1, running=False, admitted=False), view("e0", 2, admitted=False)):
+        busy = {"e1": 0}
+        assert pick_victim([other, view("e1", load=3)], set(), busy, chunks=50) is None
+    busy = {"e1": 0}
+    assert pick_victim([view("e0", 2), view("e1", load=3)], set(), busy, chunks=50) \
+        == ("e1", 1)

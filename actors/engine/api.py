@@ -166,6 +166,13 @@ class TokenChunk:
     already held.  A request's first chunk carries its admission's prefill; a later chunk
     carries a prefill again only after a weight update made the engine prefill it anew.  It
     is how a caller learns what a resumed request cost the engine that took it over.
+
+    ``timing`` is bookkeeping too, on a request's first chunk only: the engine's
+    ``time.monotonic()`` when it ``received`` the request, ``admitted`` it to a decode batch
+    (or handed it to its backend), finished its ``prefilled`` pass (the first token sampled,
+    for backends that do both in one step), and ``sent`` this chunk.  Monotonic clocks are
+    per machine, so these compare with the caller's only on the same node; a backend may
+    leave it None.  It is how the replay bench splits a resume into stages.
     """
 
     request_id: str
@@ -176,6 +183,7 @@ class TokenChunk:
     finished: bool = False
     finish_reason: str | None = None  # a FinishReason value when finished
     prefill_tokens: int = field(default=0, compare=False)
+    timing: dict[str, float] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))

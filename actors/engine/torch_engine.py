@@ -41,7 +41,9 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -78,6 +80,8 @@ class _Stream:
     seq: Sequence
     queue: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
     span: Any = None   # engine.generate, from admission to the last chunk
+    # TokenChunk.timing, until the first chunk carries it
+    timing: dict[str, float] | None = field(default_factory=dict)
 
 
 @dataclass
@@ -263,6 +267,7 @@ class TorchEngine:
             raise InvalidRequest(f"request {request.request_id} is already being generated")
         stream = _Stream(Sequence(request)) if queue is None else \
             _Stream(Sequence(request), queue=queue)
+        stream.timing = {"received": time.monotonic()}
         if request.trace:
             stream.span = telemetry.start_span(
                 "engine.generate", parent=request.trace, request_id=request.request_id,
@@ -325,7 +330,9 @@ class TorchEngine:
                                        "requests")
         await afailpoint("generation.decode_step")
         if admitted:
+            self._stamp(admitted, "admitted")
             await asyncio.to_thread(batch.admit, admitted)
+            self._stamp(admitted, "prefilled")
             self._counters.waves += 1
             self.progress.tick()
         rows = list(batch.rows)
@@ -387,6 +394,10 @@ class TorchEngine:
         stream = self._streams.get(seq.request_id)
         if chunk is None or stream is None or stream.seq is not seq:
             return
+        if stream.timing is not None:   # the request's first chunk
+            chunk = dataclasses.replace(chunk, timing={**stream.timing,
+                                                       "sent": time.monotonic()})
+            stream.timing = None
         stream.queue.put_nowait(chunk)
         if chunk.finished:
             if stream.span is not None:
@@ -398,6 +409,15 @@ class TorchEngine:
                 self._counters.requests_aborted += 1
             else:
                 self._counters.requests_finished += 1
+
+    def _stamp(self, seqs: list[Sequence], event: str) -> None:
+        """Record ``event`` in the timing of the requests not yet streamed (once: a
+        re-admission after a weight update keeps the first)."""
+        now = time.monotonic()
+        for seq in seqs:
+            stream = self._streams.get(seq.request_id)
+            if stream is not None and stream.timing is not None:
+                stream.timing.setdefault(event, now)
 
     def _set_phase(self, phase: str | None, work: str | None = None) -> None:
         # begin() bumps the counter, so only call it when the phase or the work changes.

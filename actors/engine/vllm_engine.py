@@ -65,6 +65,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class _Request:
     aborted: bool = False                                   # aborted by a caller
     done: bool = False
     prefill_unreported: int = 0   # prefilled, not yet on a chunk (TokenChunk.prefill_tokens)
+    timing: dict[str, float] | None = None   # TokenChunk.timing, until the first chunk
 
 
 class VllmEngine:
@@ -389,7 +391,7 @@ class VllmEngine:
 
     def _submit(self, request: GenerationRequest,
                 queue: asyncio.Queue[TokenChunk | BaseException]) -> _Request:
-        req = _Request(request, queue)
+        req = _Request(request, queue, timing={"received": time.monotonic()})
         self._requests[request.request_id] = req
         self._counters["requests_submitted"] += 1
         return req
@@ -421,6 +423,8 @@ class VllmEngine:
                 prompt = TokensPrompt(prompt_token_ids=context)
                 self._counters["waves"] += 1
                 self._set_phase()
+                if req.timing is not None:
+                    req.timing.setdefault("admitted", time.monotonic())
                 tokens: list[int] = []
                 logprobs: list[float] = []
                 reason: str | None = None
@@ -429,6 +433,8 @@ class VllmEngine:
                     self.progress.tick()
                     if first:   # the segment's prefill is done: what it computed, vLLM says
                         first = False
+                        if req.timing is not None:
+                            req.timing.setdefault("prefilled", time.monotonic())
                         req.prefill_unreported += len(context) - int(out.num_cached_tokens or 0)
                     self._counters["decode_steps"] += 1
                     completion = out.outputs[0]
@@ -470,14 +476,23 @@ class VllmEngine:
         req.queue.put_nowait(TokenChunk(req.request.request_id, start, tuple(tokens),
                                         tuple(logprobs), version, finish is not None,
                                         None if finish is None else str(finish),
-                                        prefill_tokens=req.prefill_unreported))
+                                        prefill_tokens=req.prefill_unreported,
+                                        timing=self._timing(req)))
         req.prefill_unreported = 0
 
     def _final(self, req: _Request, finish: FinishReason) -> TokenChunk:
         start = len(req.request.prefix_ids) + len(req.generated)
         prefill, req.prefill_unreported = req.prefill_unreported, 0
         return TokenChunk(req.request.request_id, start, (), (), self._version, True,
-                          str(finish), prefill_tokens=prefill)
+                          str(finish), prefill_tokens=prefill, timing=self._timing(req))
+
+    @staticmethod
+    def _timing(req: _Request) -> dict[str, float] | None:
+        """The request's TokenChunk.timing for its first chunk, None for the rest."""
+        if req.timing is None:
+            return None
+        timing, req.timing = {**req.timing, "sent": time.monotonic()}, None
+        return timing
 
     async def _abort(self, req: _Request) -> None:
         req.aborted = True
@@ -500,11 +515,19 @@ class VllmEngine:
                                   f"{reshaped[:5]}")
 
     async def _rpc(self, call: Any, what: str) -> Any:
+        """Await a call into vLLM.  Once vLLM's engine has died, any failure of it is
+        :class:`EngineFailed` (the engine fails, as when a stream finds it dead), so a caller
+        such as a weight push sees a gone engine, not vLLM's own error."""
         try:
             return await asyncio.wait_for(call, self.rpc_timeout_s)
         except TimeoutError:
             raise self._fail(EngineFailed(f"vLLM {what} did not answer within "
                                           f"{self.rpc_timeout_s:g} s")) from None
+        except Exception as exc:
+            failure = self._engine_failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     def _engine_failure(self, exc: BaseException) -> BaseException:
         if self._llm is not None and self._llm.errored:

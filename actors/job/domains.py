@@ -28,6 +28,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from erlay.actors.engine.api import EngineFailed
 from erlay.actors.job.plugins import FailureWindow, PluginFailing, RateRule, UserError
 from erlay.supervisor.deadline import stream_within, within
 from erlay.supervisor.errors import CallDeadlineExceeded, ChildNotRunning
@@ -46,6 +47,9 @@ class EngineRequestFailed(ChildNotRunning):
 # subclasses), or that did not answer in time.  Only what means gone: an error of our own
 # code (a KeyError, say) is a bug and propagates instead of turning into a failover loop.
 CHILD_GONE = (ChildNotRunning, RayActorError, CallDeadlineExceeded)
+# An engine is gone too once its decode loop has died (EngineFailed, raised to callers inside
+# a RayTaskError): it refuses everything and exits, and its supervisor restarts it.
+ENGINE_GONE = (*CHILD_GONE, EngineFailed)
 
 
 async def _wait_for_any(refs: list[ChildRef], timeout_s: float) -> list[ChildRef]:
@@ -64,6 +68,16 @@ async def _wait_for_any(refs: list[ChildRef], timeout_s: float) -> list[ChildRef
         await asyncio.sleep(0.05)
 
 
+def _admission_done(task: asyncio.Task[None]) -> None:
+    """Collect an admission's outcome, so that one nobody awaited is not an unretrieved
+    error: a gone engine is retried on its next incarnation, anything else is logged."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ENGINE_GONE):
+        log.warning("admitting %s failed: %s: %s", task.get_name(), type(exc).__name__, exc)
+
+
 @dataclass
 class Weights:
     version: int
@@ -80,7 +94,7 @@ class EnginePool:
         self.weights: Weights | None = None
         self._admitted: dict[str, int] = {}
         self._load: dict[str, int] = {p: 0 for p in paths}
-        self._admitting: dict[str, asyncio.Task[None]] = {}
+        self._admitting: dict[str, tuple[int, asyncio.Task[None]]] = {}
 
     async def acquire(self, timeout_s: float = 120.0,
                       exclude: frozenset[tuple[str, int]] = frozenset()) -> ChildRef:
@@ -88,47 +102,92 @@ class EnginePool:
 
         ``exclude`` holds (path, incarnation) pairs that already failed the caller: an
         engine that just died looks running until its supervisor notices, and a failover
-        must not land on it again."""
+        must not land on it again.  A running engine not admitted yet (a restart loading the
+        current weights) is admitted in the background while another engine serves: a
+        failover never waits on a restart when there is somewhere else to go."""
         deadline = time.monotonic() + timeout_s
         while True:
             running = await _wait_for_any(self.refs, max(0.0, deadline - time.monotonic()))
-            admitted = []
+            admitted, pending = [], []
             for ref in running:
                 try:
-                    if (ref.path, ref.incarnation) in exclude:
-                        continue
+                    incarnation = ref.incarnation
                 except CHILD_GONE:
                     continue
-                try:
-                    if await self._admit(ref):
-                        admitted.append(ref)
-                except CHILD_GONE:
+                if (ref.path, incarnation) in exclude:
                     continue
+                (admitted if self._admitted.get(ref.path) == incarnation
+                 else pending).append(ref)
             if admitted:
+                for ref in pending:
+                    self._admit_later(ref)
                 ref = min(admitted, key=lambda r: self._load[r.path])
                 self._load[ref.path] += 1
                 return ref
             if time.monotonic() > deadline:
                 raise ChildNotRunning("no generation engine is running")
-            await asyncio.sleep(0.05)
+            if not pending or not await self._first_admitted(pending, deadline):
+                await asyncio.sleep(0.05)
 
     def release(self, ref: ChildRef) -> None:
         self._load[ref.path] = max(0, self._load[ref.path] - 1)
 
+    async def _first_admitted(self, refs: list[ChildRef], deadline: float) -> bool:
+        """Admit ``refs`` until the first of them serves (True) or none can (False); the
+        others' admissions go on.  An error of our own code propagates."""
+        waits = [asyncio.ensure_future(self._admit(ref)) for ref in refs]
+        try:
+            while waits:
+                done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    return False
+                for wait in done:
+                    waits.remove(wait)
+                    try:
+                        if wait.result():
+                            return True
+                    except ENGINE_GONE:
+                        continue
+            return False
+        finally:
+            for wait in waits:
+                wait.cancel()   # only the wait: the admission itself is shielded
+
     async def _admit(self, ref: ChildRef) -> bool:
-        """Load the current weights into a new incarnation before it serves."""
+        """Load the current weights into a new incarnation before it serves; True once it
+        serves them.  The load is shared by every caller and outlives any that gives up."""
         incarnation = ref.incarnation
         if self._admitted.get(ref.path) == incarnation:
             return True
         if self.weights is None:
             self._admitted[ref.path] = incarnation
             return True
-        task = self._admitting.get(ref.path)
-        if task is None or task.done():
-            task = self._admitting[ref.path] = asyncio.create_task(
-                self._load_weights(ref, incarnation, self.weights))
-        await task
+        await asyncio.shield(self._admission(ref, incarnation))
         return self._admitted.get(ref.path) == incarnation
+
+    def _admit_later(self, ref: ChildRef) -> None:
+        """Start admitting ``ref`` without waiting for it."""
+        try:
+            incarnation = ref.incarnation
+        except CHILD_GONE:
+            return
+        if self.weights is None:
+            self._admitted[ref.path] = incarnation
+        else:
+            self._admission(ref, incarnation)
+
+    def _admission(self, ref: ChildRef, incarnation: int) -> asyncio.Task[None]:
+        """The load of the current weights into ``incarnation`` of ``ref``: one at a time."""
+        entry = self._admitting.get(ref.path)
+        if entry is not None and entry[0] == incarnation and not entry[1].done():
+            return entry[1]
+        assert self.weights is not None
+        task = asyncio.create_task(self._load_weights(ref, incarnation, self.weights),
+                                   name=f"admit:{ref.path}#{incarnation}")
+        task.add_done_callback(_admission_done)
+        self._admitting[ref.path] = (incarnation, task)
+        return task
 
     async def _load_weights(self, ref: ChildRef, incarnation: int, weights: Weights) -> None:
         await within(ref.actor.update_weights.remote(weights.version, weights.ref),
@@ -147,7 +206,7 @@ class EnginePool:
                 await within(ref.actor.update_weights.remote(weights.version, weights.ref),
                              self.update_timeout_s, f"{ref.path}.update_weights")
                 self._admitted[ref.path] = incarnation
-            except CHILD_GONE as exc:
+            except ENGINE_GONE as exc:
                 log.warning("engine %s missed weights v%d: %s", ref.path, weights.version,
                             type(exc).__name__)
                 self._admitted.pop(ref.path, None)
@@ -215,8 +274,7 @@ class EngineBatcher:
             # One fresh error per rollout: a shared exception object would collect every
             # rollout's traceback as each re-raises it.  Any failure of the call (the actor
             # died, or its method raised) fails the rollouts over to another engine.
-            kind = ChildNotRunning if isinstance(exc, (RayActorError, CallDeadlineExceeded)) \
-                else EngineRequestFailed
+            kind = ChildNotRunning if isinstance(exc, ENGINE_GONE) else EngineRequestFailed
             for queue in queues.values():
                 queue.put_nowait(kind(f"{engine.path} failed under the stream: "
                                       f"{type(exc).__name__}: {exc}"[:500]))

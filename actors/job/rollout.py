@@ -95,6 +95,21 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """One failover of a turn, timed on this process's ``time.monotonic()``: the stream
+    that failed first (``failed_at``), the dispatch of the call that resumed it to another
+    engine (``dispatched_at``, once that engine is picked) and its first chunk with tokens
+    (``first_chunk_at``).  ``engine`` is that call's first chunk's
+    :attr:`~erlay.actors.engine.api.TokenChunk.timing` (None if the backend gives none)."""
+
+    rollout_id: str
+    failed_at: float
+    dispatched_at: float
+    first_chunk_at: float
+    engine: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
     temperature: float
@@ -201,8 +216,7 @@ class RolloutRunner:
         self.observer = observer
         self.generate_seconds = 0.0
         self.batcher = EngineBatcher()
-        # (rollout id, first failure, first chunk after it on another engine), per failover
-        self.resumes: list[tuple[str, float, float]] = []
+        self.resumes: list[Resume] = []   # one per failover, timed
         self.tool_results_reused = 0
         self.tokens_regenerated = 0   # tokens an engine sent again after a failover
         # (rollout id, turn, completion position, engine) of each turn continued from a
@@ -391,6 +405,7 @@ class RolloutRunner:
                     raise
                 await asyncio.sleep(0.02)
                 continue
+            dispatched_at = time.monotonic()
             # Unique per attempt: a failed-over or replayed turn must not collide with a
             # request of the same turn that an engine (or a dead coordinator) still runs.
             request = GenerationRequest(
@@ -401,9 +416,11 @@ class RolloutRunner:
                 stop_ids=tuple(self.tok.stop_ids),
                 chunk_tokens=self.sampling.chunk_tokens, trace=trace)
             continued_at = len(tokens) if tokens else None
+            engine_timing: dict[str, float] | None = None
             try:
                 async for data in self.batcher.stream(engine, request.to_dict()):
                     chunk = TokenChunk.from_dict(data)
+                    engine_timing = engine_timing or chunk.timing
                     if chunk.start < len(tokens):  # a re-sent prefix: keep only what is new
                         overlap = min(len(tokens) - chunk.start, len(chunk.token_ids))
                         self.tokens_regenerated += overlap
@@ -411,7 +428,8 @@ class RolloutRunner:
                             chunk, start=chunk.start + overlap,
                             token_ids=chunk.token_ids[overlap:], logprobs=chunk.logprobs[overlap:])
                     if failed_at is not None and chunk.token_ids:
-                        self.resumes.append((rollout_id, failed_at, time.monotonic()))
+                        self.resumes.append(Resume(rollout_id, failed_at, dispatched_at,
+                                                   time.monotonic(), engine_timing))
                         failed_at = None
                     if chunk.token_ids or chunk.finished:
                         data = {"turn": turn, "start": chunk.start,
@@ -450,7 +468,10 @@ class RolloutRunner:
                           rollout_id, turn, len(tokens))
                 if time.monotonic() > give_up:
                     raise
-                await asyncio.sleep(0.02)
+                if isinstance(exc, EngineRequestFailed):
+                    # A live engine refused: pause before asking again.  A dead one is
+                    # excluded from the next pick, so that goes on at once.
+                    await asyncio.sleep(0.02)
             finally:
                 self.engines.release(engine)
 

@@ -99,6 +99,14 @@ def test_streamed_chunks_concatenate_to_the_reference_completion(engine: ChildRe
     assert tokens_of(chunks) == reference.completion
 
 
+def test_the_first_chunk_alone_carries_the_engines_timing_in_order(engine: ChildRef) -> None:
+    chunks = collect(engine.generate.remote(request("timed", 6, chunk_tokens=2).to_dict()))
+    timing = chunks[0].timing
+    assert timing is not None and list(timing) == ["received", "admitted", "prefilled", "sent"]
+    assert timing["received"] <= timing["admitted"] <= timing["prefilled"] <= timing["sent"]
+    assert all(c.timing is None for c in chunks[1:])
+
+
 def test_abort_ends_the_stream_with_finish_reason_abort(engine: ChildRef) -> None:
     import ray
     fillers = start_fillers(engine, 40)
