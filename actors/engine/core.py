@@ -246,17 +246,18 @@ class DecodeBatch:
         for seq, context in zip(seqs, contexts, strict=True):
             seq.prefill_unreported += len(context)   # no prefix cache: all of it
         tokens, positions, mask = left_pad(contexts)
-        hidden, cache = self.model.hidden(tokens, positions, mask)
+        buffer = KVBuffer.empty(mask)
+        hidden, _ = self.model.hidden(tokens, positions, mask, buffer)
         next_hidden = hidden[:, -1]
         next_logits = self.model.head(next_hidden)
         if self._cache is None or self._next_logits is None or self._next_hidden is None:
-            self._cache = KVBuffer.from_cache(cache, mask)
+            self._cache = buffer
             self._next_logits, self._next_hidden = next_logits, next_hidden
         else:
             old = self._cache
             width = max(old.width, mask.shape[1])
             old_cache, old_mask = _pad_left(old.legacy(), old.mask[:, :old.width], width)
-            new_cache, new_mask = _pad_left(cache, mask, width)
+            new_cache, new_mask = _pad_left(buffer.legacy(), mask, width)
             merged = [(torch.cat([ko, kn]), torch.cat([vo, vn]))
                       for (ko, vo), (kn, vn) in zip(old_cache, new_cache, strict=True)]
             self._cache = KVBuffer.from_cache(merged, torch.cat([old_mask, new_mask]))

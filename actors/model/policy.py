@@ -57,6 +57,16 @@ class KVBuffer:
             out.values.append(vb)
         return out
 
+    @classmethod
+    def empty(cls, mask: torch.Tensor, spare: int = 32) -> KVBuffer:
+        """A buffer for a prefill with key mask ``mask`` ``[B, S]``: its ``S`` slots reserved
+        (as :meth:`reserve` would, with ``mask``'s padding), ``spare`` more free; each layer's
+        keys and values are allocated by its first :meth:`write`."""
+        out = cls([], [], mask.new_zeros((mask.shape[0], mask.shape[1] + spare)), 0)
+        out.mask[:, :mask.shape[1]] = mask
+        out._pending = mask.shape[1]
+        return out
+
     def __len__(self) -> int:
         return self.width
 
@@ -80,6 +90,9 @@ class KVBuffer:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``[B, H, t, Dh]`` of the reserved slots; all keys/values so far."""
         end = self.width + k.shape[2]
+        if layer == len(self.keys):   # an empty buffer's first write to this layer
+            self.keys.append(k.new_zeros((*k.shape[:2], self.capacity, k.shape[3])))
+            self.values.append(v.new_zeros((*v.shape[:2], self.capacity, v.shape[3])))
         self.keys[layer][:, :, self.width:end] = k
         self.values[layer][:, :, self.width:end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]

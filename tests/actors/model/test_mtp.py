@@ -132,3 +132,78 @@ def test_learner_trains_the_heads_beside_the_policy() -> None:
                                  plain.model.named_parameters(), strict=True):
         if not name.startswith("mtp."):
             assert torch.equal(a, b), name
+
+
+def tally_violations(drafted: int, accepted: int, drafted_at: list[int],
+                     accepted_at: list[int]) -> list[str]:
+    """What is wrong with a batch's per-position draft counts: they must add up to the
+    totals, and a draft at position j + 1 is verified only after the one at j was accepted."""
+    bad = []
+    if sum(drafted_at) != drafted or sum(accepted_at) != accepted:
+        bad.append("per-position counts do not add up to the totals")
+    for j, (d, a) in enumerate(zip(drafted_at, accepted_at, strict=True)):
+        if a > d:
+            bad.append(f"position {j}: more accepted than verified")
+        if j + 1 < len(drafted_at) and drafted_at[j + 1] > a:
+            bad.append(f"position {j + 1}: verified past a rejection")
+    return bad
+
+
+def test_acceptance_per_draft_position_is_counted_consistently() -> None:
+    m = model()
+    _, batch = decode(m, requests(8, 1.0), 4)
+    assert batch.drafted > 0 and 0 < batch.accepted < batch.drafted
+    assert 2 <= len(batch.drafted_at) <= 4
+    assert tally_violations(batch.drafted, batch.accepted, batch.drafted_at,
+                            batch.accepted_at) == []
+    # The check catches counts that verified every draft of every row (a planted fault).
+    every = [batch.drafted_at[0]] * len(batch.drafted_at)
+    assert tally_violations(sum(every), batch.accepted, every, batch.accepted_at) != []
+
+
+def test_record_many_is_record_token_by_token() -> None:
+    rng = np.random.default_rng(0)
+    for case in range(200):
+        stops = tuple(int(x) for x in rng.choice(6, size=int(rng.integers(0, 3)),
+                                                 replace=False))
+        req = GenerationRequest("r", (1,), int(rng.integers(1, 8)), seed=0, stop_ids=stops)
+        tokens = [int(x) for x in rng.integers(0, 6, size=int(rng.integers(1, 7)))]
+        logprobs = [-float(i) for i in range(len(tokens))]
+        one, many = Sequence(req), Sequence(req)
+        for _ in range(int(rng.integers(0, 3))):   # some tokens already generated
+            one.record(9, -0.5)
+            many.record(9, -0.5)
+        if one.finished:
+            continue
+        taken = 0
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            one.record(token, logprob)
+            taken += 1
+            if one.finished:
+                break
+        assert many.record_many(tokens, logprobs) == taken, case
+        assert (many.completion, many._unstreamed_logprobs, many.finish_reason) == \
+            (one.completion, one._unstreamed_logprobs, one.finish_reason), case
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_switching_between_speculative_and_plain_steps_keeps_plain_tokens(
+        temperature: float) -> None:
+    """A coupled verification leaves each row's next token already drawn (``forced``); a
+    plain step, a speculative one, or a release and re-admission takes it up unchanged."""
+    m = model()
+    plain = run_to_completion(m, requests(6, temperature, new=24))
+    seqs = [Sequence(r) for r in requests(6, temperature, new=24)]
+    batch = DecodeBatch(m)
+    batch.admit(seqs)
+    schedule = [3, 0, 4, 4, 0, 0, 2]
+    step = 0
+    while batch.rows:
+        if step == 4:
+            batch.admit(batch.release())
+        batch.step(schedule[step % len(schedule)])
+        step += 1
+    assert batch.drafted > 0
+    assert [s.completion for s in seqs] == [s.completion for s in plain]
+    for a, b in zip(seqs, plain, strict=True):
+        assert np.allclose(a._unstreamed_logprobs, b._unstreamed_logprobs, atol=1e-4)
