@@ -288,17 +288,20 @@ class DecodeBatch:
         """Record each row's next token: sampled from its pending logits, or the token a
         rejected draft's verification already chose (``Sequence.forced``)."""
         assert self._next_logits is not None
-        if all(s.forced is not None for s in self.rows):
-            tokens = logprobs = np.empty(0)    # nothing left to sample
+        rows = self.rows
+        if all(s.forced is not None for s in rows):
+            tokens: list[int] = []    # nothing left to sample
+            logprobs: list[float] = []
         else:
             logits = self._next_logits.to(torch.float64).cpu().numpy()
-            tokens, logprobs = self._sample(logits, self.rows, [s.position for s in self.rows])
-        for i, seq in enumerate(self.rows):
+            drawn, scores = self._sample(logits, rows, [len(s.completion) for s in rows])
+            tokens, logprobs = drawn.tolist(), scores.tolist()
+        for i, seq in enumerate(rows):
             if seq.forced is not None:
                 seq.record(*seq.forced)
                 seq.forced = None
             else:
-                seq.record(int(tokens[i]), float(logprobs[i]))
+                seq.record(tokens[i], logprobs[i])
 
     @staticmethod
     def _sample(logits: np.ndarray, seqs: list[Sequence],
@@ -311,9 +314,9 @@ class DecodeBatch:
         assert self._cache is not None
         # The token fed is each row's last one; positions count real tokens, so its position
         # is the context length minus one.
-        tokens = torch.tensor([[s.completion[-1]] for s in self.rows], dtype=torch.long)
-        positions = torch.tensor([[len(s.request.prompt_ids) + s.position - 1]
-                                  for s in self.rows], dtype=torch.long)
+        tokens = torch.tensor([s.completion[-1] for s in self.rows])[:, None]
+        positions = torch.tensor([len(s.request.prompt_ids) + len(s.completion) - 1
+                                  for s in self.rows])[:, None]
         mask = self._cache.reserve(1)
         hidden, _ = self.model.hidden(tokens, positions, mask, self._cache)
         self._next_hidden = hidden[:, -1]
