@@ -2,7 +2,8 @@
 
 The training loop pays only for handing a state over; writing it to disk happens in the
 library's persistent worker process (``AsyncCallsQueue(persistent=True)``), and committing it
-happens on a later :meth:`AsyncCheckpointer.poll` or :meth:`AsyncCheckpointer.wait`.
+happens on a later :meth:`AsyncCheckpointer.poll` or :meth:`AsyncCheckpointer.wait`.  The
+worker runs at nice :data:`WORKER_NICE`: on a busy host, training gets the CPU first.
 
 Contracts:
 
@@ -99,6 +100,9 @@ log = logging.getLogger("erlay.checkpoint")
 
 FAILED = "FAILED"
 _POLL_INTERVAL_S = 0.05
+# The worker's nice value: on a busy host its serialization, checksum and write yield the CPU
+# to training, which it would otherwise slow down; a commit comes later instead.
+WORKER_NICE = 10
 _PARENT_CHECK_S = 1.0
 
 
@@ -153,6 +157,20 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="erlay-checkpoint-parent-watch", daemon=True).start()
 
 
+_niced = False
+
+
+def _lower_priority() -> None:
+    """Renice this worker to :data:`WORKER_NICE`, once (a no-op where not permitted)."""
+    global _niced
+    if not _niced:
+        _niced = True
+        try:
+            os.nice(WORKER_NICE - os.nice(0))
+        except OSError:
+            pass
+
+
 def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
              extra: dict[str, Any], parent: int, write_delay_s: float = 0.0) -> None:
     """Runs in the library's persistent worker: write the checkpoint of the snapshot staged
@@ -161,9 +179,12 @@ def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
     Never raises.  An exception escaping here would kill the worker loop before it reports
     completion, and the trainer would wait forever; instead a ``FAILED`` file with the
     traceback tells the trainer's finalization what went wrong.  ``parent`` is the trainer's
-    pid (see :func:`_exit_with_parent`).
+    pid (see :func:`_exit_with_parent`).  The worker runs at a lower priority
+    (:func:`_lower_priority`).
     """
     _exit_with_parent(parent)
+    if parent != os.getpid():  # never renice the trainer itself
+        _lower_priority()
     tmp = Path(tmp_dir)
     if write_delay_s > 0:  # slow storage, as the chaos suite injects it
         time.sleep(write_delay_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,11 @@ from tests.actors.learner.test_core import MODEL, arithmetic_batch
 BIG = 2 * CHUNK_BYTES // 4
 
 
-@pytest.fixture
+@contextmanager
 def held_snapshot() -> Iterator[None]:
-    """The next snapshot stops after its first chunk until the test disarms the failpoint."""
+    """Snapshots stop after their first chunk until the failpoint is disarmed, at the latest
+    when this exits: enter it inside the checkpointer's block, so that a failing assertion
+    releases the copy before close() waits for it."""
     failpoints.arm("learner.checkpoint_snapshot", "hang")
     try:
         yield
@@ -55,9 +58,9 @@ def test_a_state_modified_after_the_barrier_is_saved_as_it_was_at_save(
 
 
 def test_a_state_modified_mid_snapshot_fails_the_save_and_is_never_written_torn(
-        tmp_path: Path, held_snapshot: None) -> None:
+        tmp_path: Path) -> None:
     w = torch.zeros(BIG)
-    with AsyncCheckpointer(tmp_path) as checkpointer:
+    with AsyncCheckpointer(tmp_path) as checkpointer, held_snapshot():
         checkpointer.save(1, {"w": w})
         w.add_(1.0)  # no barrier: half of w is staged before this, half after
         failpoints.disarm("learner.checkpoint_snapshot")
@@ -71,15 +74,14 @@ def test_a_state_modified_mid_snapshot_fails_the_save_and_is_never_written_torn(
     assert torch.equal(load(tmp_path / "step-00000002")[0]["w"], torch.ones(BIG))
 
 
-def test_a_guarded_optimizer_step_waits_for_the_snapshot(
-        tmp_path: Path, held_snapshot: None) -> None:
+def test_a_guarded_optimizer_step_waits_for_the_snapshot(tmp_path: Path) -> None:
     param = torch.nn.Parameter(torch.ones(BIG))
     optimizer = torch.optim.SGD([param], lr=1.0)
     param.grad = torch.ones(BIG)
-    with AsyncCheckpointer(tmp_path) as checkpointer:
+    with AsyncCheckpointer(tmp_path) as checkpointer, held_snapshot():
         checkpointer.guard(optimizer)
         checkpointer.save(1, {"param": param.detach()})
-        step = threading.Thread(target=optimizer.step)
+        step = threading.Thread(target=optimizer.step, daemon=True)
         step.start()
         step.join(timeout=1.0)
         assert step.is_alive(), "the optimizer stepped while the snapshot was copying"
@@ -92,24 +94,25 @@ def test_a_guarded_optimizer_step_waits_for_the_snapshot(
 
 
 def test_the_learner_trains_on_during_a_save_and_its_checkpoint_is_the_saved_step(
-        tmp_path: Path, held_snapshot: None) -> None:
+        tmp_path: Path) -> None:
     learner = Learner(MODEL, seed=3, checkpoint_dir=str(tmp_path))
     learner.train_step(arithmetic_batch(learner))
     expected = learner.state()
     batch = arithmetic_batch(learner)
     try:
-        saved = learner.save_checkpoint({"journal": "snap-1"})  # returns mid-snapshot
-        checkpointer = learner._checkpointer
-        assert checkpointer is not None and checkpointer.last_snapshot is not None
-        snapshot = checkpointer.last_snapshot
-        done_when_stepping: list[bool] = []
-        # Runs after the learner's own hooks, just before the optimizer moves the weights.
-        learner.optimizer.register_step_pre_hook(
-            lambda *_: done_when_stepping.append(snapshot.done))
-        release = threading.Timer(1.0, failpoints.disarm, ["learner.checkpoint_snapshot"])
-        release.start()
-        learner.train_step(batch)  # its forward and backward passes overlap the copy
-        release.join()
+        with held_snapshot():
+            saved = learner.save_checkpoint({"journal": "snap-1"})  # returns mid-snapshot
+            checkpointer = learner._checkpointer
+            assert checkpointer is not None and checkpointer.last_snapshot is not None
+            snapshot = checkpointer.last_snapshot
+            done_when_stepping: list[bool] = []
+            # Runs after the learner's own hook, just before the optimizer moves the weights.
+            learner.optimizer.register_step_pre_hook(
+                lambda *_: done_when_stepping.append(snapshot.done))
+            release = threading.Timer(1.0, failpoints.disarm, ["learner.checkpoint_snapshot"])
+            release.start()
+            learner.train_step(batch)  # its forward and backward passes overlap the copy
+            release.join()
         assert done_when_stepping == [True]
         assert learner.wait_checkpoints() == saved["step"] == 1
     finally:
