@@ -61,6 +61,7 @@ Contracts (beyond :mod:`erlay.actors.engine.api`):
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import shutil
@@ -199,6 +200,12 @@ class VllmEngine:
         # temperature > 0 (its CPU expand kernel leaves the rejection sampler's per-token
         # temperatures uninitialised); greedy speculation is correct.  Refuse, not degrade.
         self._greedy_only = bool(self.speculative_config) and await asyncio.to_thread(_on_cpu)
+        # vLLM, torch and the model make a heap of ~700k long-lived objects, and each full
+        # collection walks all of them: a pause of 0.5-1 s of this event loop (which serves
+        # every stream, and the heartbeat) whenever streaming's garbage triggers one.
+        # Frozen, they are skipped (vLLM's API server does the same after its start).
+        gc.collect()
+        gc.freeze()
 
     async def erlay_wait(self) -> dict[str, Any]:
         """Returns (an error exit) once vLLM's engine has died."""

@@ -26,6 +26,7 @@ into another domain has a deadline.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import logging
 import time
@@ -183,6 +184,11 @@ class RolloutCoordinator:
             self.validator = Validator(self.job.validation_env, self.runner,
                                        cfg.data.validation_every, cfg.data.validation_size,
                                        cfg.run.seed, self.job.validation_rows)
+        # The driver's heap is set up by now (Ray, torch, the job's objects): frozen, the
+        # collector's full passes skip it instead of pausing this event loop, which sees
+        # every engine failure and dispatches every resume, for half a second each.
+        gc.collect()
+        gc.freeze()
 
     # ------------------------------------------------------------------------ the loop
     async def run(self) -> None:
