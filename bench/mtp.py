@@ -41,8 +41,12 @@ at every k), ``sampled_identical`` (the coupled verification makes sampled outpu
 too), the per-k figures, and ``load_avg_1m`` (1-minute load average at the start and the
 end).  Target: ``speedup_at_best_k`` >= 1.46.
 
+With ``--profile`` it also times the phases of a tail step (plain and at ``best_k``: the
+forward pass, drafting, exact host-side sampling, bookkeeping, the rest) and adds them to the
+JSON as ``step_profile_ms``.
+
     python bench/mtp.py [--model hf|builtin] [--train-steps 400] [--batch 64] [--repeats 3]
-                        [--runs 5]
+                        [--runs 5] [--profile]
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from typing import Any
 
 import torch
 
+from erlay.actors.engine import core
 from erlay.actors.engine.api import GenerationRequest
 from erlay.actors.engine.core import DecodeBatch, Sequence
 from erlay.actors.engine.tail import TailWindow
@@ -199,6 +204,64 @@ def one_run(args: argparse.Namespace, model: Policy, reqs: list[GenerationReques
             {k: med(v) for k, v in steps.items()}, reports, tokens)
 
 
+def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[GenerationRequest],
+                  k: int, repeats: int = 5) -> dict[str, float]:
+    """Where a tail step's time goes at ``k`` (0: a plain step): wall ms per step of each
+    phase, summed over the tail steps (at most ``--spec-max-concurrency`` requests running)
+    of ``repeats`` decodes of ``reqs``.  Phases: ``forward`` (``model.hidden``: the pass over
+    the 1 or k + 1 fed tokens, cache writes included), ``drafts`` (the MTP heads and their
+    draft draws), ``host_sampling`` (the exact float64 draws: the pending token, the
+    verification), ``bookkeeping`` (recording tokens, dropping finished rows), ``other``
+    (the rest of ``DecodeBatch.step``: tensors made from Python lists, the output head...)."""
+    spent: dict[str, float] = {}
+    active = [False]
+
+    def timed(owner: Any, name: str, phase: str) -> Any:
+        inner = getattr(owner, name)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                if active[0]:
+                    spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    patches = [(model, "hidden", "forward"), (model, "draft_step", "drafts"),
+               (core, "_draft_draw", "drafts"), (core, "sample_rows", "host_sampling"),
+               (core, "uniforms", "host_sampling"), (Sequence, "record", "bookkeeping"),
+               (Sequence, "record_many", "bookkeeping"),
+               (DecodeBatch, "drop_finished", "bookkeeping")]
+    saved = [(owner, name, vars(owner).get(name)) for owner, name, _ in patches]
+    for owner, name, phase in patches:
+        setattr(owner, name, timed(owner, name, phase))
+    steps, total = 0, 0.0
+    try:
+        for _ in range(repeats):
+            seqs = [Sequence(r) for r in reqs]
+            batch = DecodeBatch(model)
+            batch.admit(seqs)
+            while batch.rows:
+                active[0] = len(batch.rows) <= args.spec_max_concurrency
+                t0 = time.perf_counter()
+                batch.step(k if active[0] else 0)
+                if active[0]:
+                    total += time.perf_counter() - t0
+                    steps += 1
+    finally:
+        active[0] = False
+        for owner, name, inner in saved:
+            if inner is None:   # an instance's method: drop the wrapper, the class's shows
+                delattr(owner, name)
+            else:
+                setattr(owner, name, inner)
+    out = {phase: round(t / steps * 1e3, 3) for phase, t in sorted(spent.items())}
+    out["other"] = round((total - sum(spent.values())) / steps * 1e3, 3)
+    out["step"] = round(total / steps * 1e3, 3)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--train-steps", type=int, default=400)
@@ -208,6 +271,8 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=5)
     parser.add_argument("--spec-max-concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where a tail step's time goes (plain and best k)")
     parser.add_argument("--model", choices=("hf", "builtin"), default="hf",
                         help="hf: the CPU default's tiny Qwen2 shape; builtin: PolicyModel")
     args = parser.parse_args()
@@ -290,6 +355,12 @@ def main() -> None:
         "load_avg_1m": [round(load0, 2), round(load1, 2)],
         "bench_wall_s": round(time.perf_counter() - began, 1),
     }
+    if args.profile:
+        profile = {k: profile_steps(args, model, sampled, k) for k in (0, best)}
+        print(f"tail step profile, wall ms per step (k=0: plain; k={best}: verification)")
+        for phase in profile[best]:
+            print(f"  {phase:>14} {profile[0].get(phase, 0.0):>8.3f} {profile[best][phase]:>8.3f}")
+        out["step_profile_ms"] = profile
     print(json.dumps(out))
 
 
