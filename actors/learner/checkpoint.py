@@ -2,8 +2,7 @@
 
 The training loop pays only for handing a state over; writing it to disk happens in the
 library's persistent worker process (``AsyncCallsQueue(persistent=True)``), and committing it
-happens on a later :meth:`AsyncCheckpointer.poll` or :meth:`AsyncCheckpointer.wait`.  The
-worker runs at nice :data:`WORKER_NICE`: on a busy host, training gets the CPU first.
+happens on a later :meth:`AsyncCheckpointer.poll` or :meth:`AsyncCheckpointer.wait`.
 
 Contracts:
 
@@ -100,9 +99,6 @@ log = logging.getLogger("erlay.checkpoint")
 
 FAILED = "FAILED"
 _POLL_INTERVAL_S = 0.05
-# The worker's nice value: on a busy host its serialization, checksum and write yield the CPU
-# to training, which it would otherwise slow down; a commit comes later instead.
-WORKER_NICE = 10
 _PARENT_CHECK_S = 1.0
 
 
@@ -157,20 +153,6 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="erlay-checkpoint-parent-watch", daemon=True).start()
 
 
-_niced = False
-
-
-def _lower_priority() -> None:
-    """Renice this worker to :data:`WORKER_NICE`, once (a no-op where not permitted)."""
-    global _niced
-    if not _niced:
-        _niced = True
-        try:
-            os.nice(WORKER_NICE - os.nice(0))
-        except OSError:
-            pass
-
-
 def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
              extra: dict[str, Any], parent: int, write_delay_s: float = 0.0) -> None:
     """Runs in the library's persistent worker: write the checkpoint of the snapshot staged
@@ -179,12 +161,9 @@ def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
     Never raises.  An exception escaping here would kill the worker loop before it reports
     completion, and the trainer would wait forever; instead a ``FAILED`` file with the
     traceback tells the trainer's finalization what went wrong.  ``parent`` is the trainer's
-    pid (see :func:`_exit_with_parent`).  The worker runs at a lower priority
-    (:func:`_lower_priority`).
+    pid (see :func:`_exit_with_parent`).
     """
     _exit_with_parent(parent)
-    if parent != os.getpid():  # never renice the trainer itself
-        _lower_priority()
     tmp = Path(tmp_dir)
     if write_delay_s > 0:  # slow storage, as the chaos suite injects it
         time.sleep(write_delay_s)
@@ -306,7 +285,7 @@ class AsyncCheckpointer:
                 self._remember(exc)
             log.info("save of step %d waited %.2f s for step %d to commit", step,
                      time.perf_counter() - started, waited_for)
-        # A snapshot whose worker died may still be copying into the buffer.
+        # The buffer is reused: never while a copy into it may still run.
         self.wait_snapshot()
         self._owns_group = ensure_process_group() or self._owns_group
         snapshot = Snapshot(self._staging, state)
@@ -329,10 +308,12 @@ class AsyncCheckpointer:
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make every ``optimizer.step()`` first wait for the snapshot (:meth:`wait_snapshot`),
-        so a training loop that saves between steps needs no other change.  Returns the
-        hook's handle (``.remove()`` undoes it)."""
+        so a training loop that saves between steps needs no other change; a wait longer than
+        a millisecond is logged.  Returns the hook's handle (``.remove()`` undoes it)."""
         def before_step(*_: Any) -> None:
-            self.wait_snapshot()
+            waited = self.wait_snapshot()
+            if waited > 0.001:  # exposed time that save()'s own figure does not include
+                log.info("optimizer step waited %.3f s for the checkpoint snapshot", waited)
         return optimizer.register_step_pre_hook(before_step)
 
     def poll(self) -> list[int]:
