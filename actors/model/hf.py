@@ -197,20 +197,13 @@ class HFPolicy(nn.Module):
         """The HF Llama-style decoder forward (embedding, per layer: RMSNorm, rotary q/k,
         attention, residual, RMSNorm, gated SiLU MLP, residual; final norm) in torch's
         functions on the weights of :meth:`_plan`, with the new keys and values written into
-        ``buffer`` and the attention mask built directly: query ``i`` (slot ``S - T + i``)
-        sees real keys up to its own slot, and always its own slot (a pad query would
-        otherwise attend to nothing and produce NaN).  Equal to HF's forward up to float32
-        rounding (fused projections; ``tests/actors/engine/test_hf_core.py``)."""
+        ``buffer`` and the attention mask built directly (:func:`_attention_bias`).  Equal to
+        HF's forward up to float32 rounding (fused projections;
+        ``tests/actors/model/test_decode_path.py``)."""
         stack = self.backbone
         embed_w, layers, norm_w, norm_eps = self._plan(stack)
         b, t = tokens.shape
-        s = key_mask.shape[1]
-        slots = torch.arange(s)
-        own = slots[s - t:, None]
-        allowed = (slots[None, None, :] <= own[None]) & key_mask[:, None, :]
-        allowed = (allowed | (slots[None, None, :] == own[None]))[:, None]      # [B, 1, T, S]
-        # The mask as an additive bias, made once for every layer.
-        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        bias = _attention_bias(key_mask, t, prefill=buffer.width == 0)
         x = F.embedding(tokens, embed_w)
         cos, sin = self._rotary(stack, x, positions)
         half = cos.shape[-1] // 2
@@ -326,6 +319,27 @@ class HFPolicy(nn.Module):
             k: v for k, v in self.lm.state_dict().items()}
         state.update({f"mtp.{k}": v for k, v in self.mtp.state_dict().items()})
         return {k: v.detach().to(torch.float32).cpu().numpy().copy() for k, v in state.items()}
+
+
+def _attention_bias(key_mask: torch.Tensor, t: int, *, prefill: bool) -> torch.Tensor:
+    """The additive attention mask ``[B, 1, T, S]`` (0 or -inf) of ``t`` new tokens over
+    ``key_mask`` ``[B, S]``: query ``i`` (slot ``S - T + i``) sees real keys up to its own
+    slot.  A prefill's left padding puts queries on pad slots, which would attend to nothing
+    (NaN), so there each query always sees its own slot; after it, every fed token is real
+    (``DecodeBatch`` feeds real tokens only), so the mask is the keys' and, for ``t > 1``,
+    the causal triangle over the new slots: a few small ops rather than a full mask."""
+    s = key_mask.shape[1]
+    if prefill:
+        slots = torch.arange(s)
+        own = slots[s - t:, None]
+        allowed = (slots[None, None, :] <= own[None]) & key_mask[:, None, :]
+        allowed = (allowed | (slots[None, None, :] == own[None]))[:, None]
+        return torch.where(allowed, 0.0, float("-inf"))
+    keys = torch.where(key_mask, 0.0, float("-inf"))[:, None, None, :]
+    if t == 1:
+        return keys
+    causal = F.pad(torch.full((t, t), float("-inf")).triu_(1), (s - t, 0))
+    return keys + causal
 
 
 def _sign_first_half(x: torch.Tensor) -> torch.Tensor:
