@@ -241,6 +241,7 @@ def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[Generation
         for _ in range(repeats):
             seqs = [Sequence(r) for r in reqs]
             batch = DecodeBatch(model)
+            active[0] = False   # the prefill is no tail step
             batch.admit(seqs)
             while batch.rows:
                 active[0] = len(batch.rows) <= args.spec_max_concurrency
