@@ -160,33 +160,44 @@ class HFPolicy(nn.Module):
 
     def _plan(self, stack: nn.Module) -> list[Any]:
         """The tensors :meth:`_lean_hidden` reads, gathered once: per layer the RMSNorm
-        weights and epsilons, the q, k and v projections as one weight and bias, the MLP's
-        gate and up projections as one weight, the output projections, and the attention's
-        shape; then the final norm.  Reading them through the module tree costs more than the
-        arithmetic on a few rows.  Rebuilt whenever a source parameter was replaced or changed
-        in place (a weight update, an optimiser step: ``_version``)."""
+        weights and epsilons, the q, k and v projections (one fused weight and bias for a
+        model under ``FUSE_LIMIT``), the MLP's gate and up projections (likewise), the output
+        projections, and the attention's shape; then the final norm.  Reading them through the
+        module tree costs more than the arithmetic on a few rows.  Rebuilt whenever a source
+        parameter was replaced or changed in place (a weight update, an optimiser step:
+        ``_version``)."""
         if self._plan_cache is not None:
             sources, stamp, plan = self._plan_cache
             if stamp == [(p.data_ptr(), p._version) for p in sources]:
                 return plan
         sources = list(stack.parameters())
+        # Fused copies of the q/k/v and gate/up weights save two thirds of those matmul
+        # calls; they double those weights' memory, so a large model keeps them apart.
+        fuse = sum(p.numel() for layer in stack.layers for p in (
+            layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+            layer.self_attn.v_proj.weight, layer.mlp.gate_proj.weight,
+            layer.mlp.up_proj.weight)) <= FUSE_LIMIT
         layers = []
         with torch.no_grad():
             for layer in stack.layers:
                 a, m = layer.self_attn, layer.mlp
                 projections = (a.q_proj, a.k_proj, a.v_proj)
-                bias = None if all(p.bias is None for p in projections) else torch.cat(
-                    [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
-                     for p in projections])
+                if fuse:
+                    bias = None if all(p.bias is None for p in projections) else torch.cat(
+                        [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                         for p in projections])
+                    qkv = [(torch.cat([p.weight for p in projections]), bias)]
+                    gate_up = [(torch.cat([m.gate_proj.weight, m.up_proj.weight]), None)]
+                else:
+                    qkv = [(p.weight, p.bias) for p in projections]
+                    gate_up = [(m.gate_proj.weight, None), (m.up_proj.weight, None)]
                 layers.append((
-                    layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                    torch.cat([p.weight for p in projections]), bias,
+                    layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv,
                     [p.out_features for p in projections], a.head_dim, a.num_key_value_groups,
                     a.scaling, a.o_proj.weight, a.o_proj.bias,
                     layer.post_attention_layernorm.weight,
-                    layer.post_attention_layernorm.variance_epsilon,
-                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight,
-                    m.down_proj.bias))
+                    layer.post_attention_layernorm.variance_epsilon, gate_up,
+                    m.down_proj.weight, m.down_proj.bias))
         plan = [stack.embed_tokens.weight, layers, stack.norm.weight,
                 stack.norm.variance_epsilon]
         self._plan_cache = (sources, [(p.data_ptr(), p._version) for p in sources], plan)
@@ -208,9 +219,11 @@ class HFPolicy(nn.Module):
         cos, sin = self._rotary(stack, x, positions)
         half = cos.shape[-1] // 2
         width = (x.shape[-1],)
-        for i, (ln1, eps1, w_qkv, b_qkv, sizes, head_dim, groups, scaling, w_o, b_o, ln2, eps2,
-                w_gu, w_down, b_down) in enumerate(layers):
-            q, k, v = F.linear(torch.rms_norm(x, width, ln1, eps1), w_qkv, b_qkv).split(sizes, -1)
+        for i, (ln1, eps1, qkv, sizes, head_dim, groups, scaling, w_o, b_o, ln2, eps2,
+                gate_up, w_down, b_down) in enumerate(layers):
+            h = torch.rms_norm(x, width, ln1, eps1)
+            q, k, v = F.linear(h, *qkv[0]).split(sizes, -1) if len(qkv) == 1 else \
+                (F.linear(h, *p) for p in qkv)
             q = q.view(b, t, -1, head_dim).transpose(1, 2)
             k = k.view(b, t, -1, head_dim).transpose(1, 2)
             v = v.view(b, t, -1, head_dim).transpose(1, 2)
@@ -225,7 +238,9 @@ class HFPolicy(nn.Module):
             scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).add_(bias)
             out = torch.matmul(scores.softmax(dim=-1), v)
             x = x + F.linear(out.transpose(1, 2).reshape(b, t, -1), w_o, b_o)
-            gate, up = F.linear(torch.rms_norm(x, width, ln2, eps2), w_gu).chunk(2, -1)
+            h = torch.rms_norm(x, width, ln2, eps2)
+            gate, up = F.linear(h, *gate_up[0]).chunk(2, -1) if len(gate_up) == 1 else \
+                (F.linear(h, *p) for p in gate_up)
             x = x + F.linear(F.silu(gate) * up, w_down, b_down)
         buffer.commit()
         return torch.rms_norm(x, width, norm_w, norm_eps)
@@ -348,6 +363,7 @@ def _sign_first_half(x: torch.Tensor) -> torch.Tensor:
 
 
 LEAN_TYPES = ("llama", "qwen2", "mistral")
+FUSE_LIMIT = 16 * 2**20   # parameters: fused projection copies up to ~64 MB in float32
 
 
 def lean_layers(lm: nn.Module) -> bool:

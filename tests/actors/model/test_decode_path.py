@@ -103,6 +103,18 @@ def test_hf_decode_through_the_buffer_matches_hf_forward(dirs: dict[str, Path],
     assert decode_gap(model, steps=2, t=4) < 1e-5
 
 
+def test_lean_forward_of_a_large_model_keeps_its_projections_apart(
+        dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``FUSE_LIMIT`` no fused weight copies are made; the forward is the same."""
+    from erlay.actors.model import hf
+    monkeypatch.setattr(hf, "FUSE_LIMIT", 0)
+    model: HFPolicy = build_policy(spec(dirs["qwen2"]), for_engine=True).eval()
+    assert decode_gap(model) < 1e-5
+    assert decode_gap(model, steps=2, t=4) < 1e-5
+    layers = model._plan_cache[2][1] if model._plan_cache else []
+    assert layers and all(len(layer[2]) == 3 and len(layer[11]) == 2 for layer in layers)
+
+
 def test_lean_forward_without_rotary_is_caught(dirs: dict[str, Path],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     model: HFPolicy = build_policy(spec(dirs["qwen2"]), for_engine=True).eval()
