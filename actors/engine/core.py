@@ -55,7 +55,7 @@ from erlay.actors.engine.api import (
 from erlay.actors.model.build import Policy
 from erlay.actors.model.mtp import Verify, draft_token, verify_draft
 from erlay.actors.model.policy import KVBuffer, KVCache, left_pad
-from erlay.actors.model.sampling import sample_rows, uniforms
+from erlay.actors.model.sampling import sample_rows, uniform_grid
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
@@ -353,13 +353,13 @@ class DecodeBatch:
         token = torch.tensor(last, dtype=torch.long)
         # The uniforms of the k + 1 positions fed, drawn once: drafting and verification use
         # the same ones (coupled).
-        u = uniforms([x for x in seeds for _ in range(k + 1)],
-                     [p + j for p in starts for j in range(k + 1)]).reshape(n, k + 1)
+        u = uniform_grid(seeds, starts, k + 1)                            # [B, k + 1]
         columns = [token]
         draft_logits: list[np.ndarray] = []
         if verify == "coupled":
             like = self._next_hidden
-            u_t = torch.from_numpy(u.T.copy()).to(like)[:, :, None]        # [k + 1, B, 1]
+            u_t = torch.tensor(np.ascontiguousarray(u.T)[:, :, None], dtype=like.dtype,
+                               device=like.device)                # [k + 1, B, 1]
             scale = None if np.all((temps == 0) | (temps == 1)) else \
                 torch.from_numpy(np.where(temps > 0, temps, 1.0)).to(like)[:, None]
             greedy = torch.from_numpy(temps == 0).to(like.device) if np.any(temps == 0) \
@@ -375,8 +375,9 @@ class DecodeBatch:
                                                      s.request.seed, s.position + j, verify)
                                          for i, s in enumerate(self.rows)]))
         fed = torch.stack(columns, dim=1)
-        base = torch.tensor(lengths)[:, None] - 1
-        positions = (base + torch.arange(k + 1)[None, :]).clamp(max=cfg.max_seq_len - 1)
+        top = cfg.max_seq_len - 1
+        positions = torch.tensor([[min(length - 1 + j, top) for j in range(k + 1)]
+                                  for length in lengths])
         mask = self._cache.reserve(k + 1)
         hidden, _ = self.model.hidden(fed, positions, mask, self._cache)
         logits = self.model.head(hidden)                                  # [B, k + 1, V]
@@ -405,13 +406,15 @@ class DecodeBatch:
                     if seq.finished:
                         break
                 keep.append(accepted)
-        # The unaccepted drafts' slots: masked out of every later attention.
+        # The unaccepted drafts' slots: masked out of every later attention (one small
+        # tensor each from Python lists: on a few rows, fewer tensor ops is what saves time).
         width = self._cache.width
-        kept = torch.tensor(keep)
-        self._cache.mask[:, width - k:width] &= torch.arange(k)[None, :] < kept[:, None]
-        rows = torch.arange(n)
-        self._next_hidden = hidden[rows, kept]
-        self._next_logits = logits[rows, kept]
+        if any(a < k for a in keep):
+            self._cache.mask[:, width - k:width] &= torch.tensor(
+                [[j < a for j in range(k)] for a in keep])
+        at = torch.tensor([i * (k + 1) + a for i, a in enumerate(keep)])
+        self._next_hidden = hidden.reshape(n * (k + 1), -1).index_select(0, at)
+        self._next_logits = logits.reshape(n * (k + 1), -1).index_select(0, at)
         return finished + self.drop_finished()
 
     def _tally(self, accepted: int, rejected: bool) -> None:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from erlay.actors.model.policy import KVBuffer, KVCache, MTPModule
+from erlay.actors.model.policy import DRAFT_TABLE_LIMIT, KVBuffer, KVCache, MTPModule
 from erlay.supervisor.errors import ErlayError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -315,8 +315,13 @@ class HFPolicy(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP module ``k`` on ``h`` ``[B, D]`` and the tokens ``[B]`` at offset ``k + 1``."""
         embed, head = self.embed, self.head
-        emb = F.embedding(token, embed.weight) if type(embed) is nn.Embedding else embed(token)
-        nxt = self.mtp[k](h, emb)
+        if type(embed) is not nn.Embedding:   # scaled, LoRA-wrapped, ...: its own forward
+            nxt = self.mtp[k](h, embed(token))
+        elif torch.is_grad_enabled() or embed.weight.numel() * len(self.mtp) \
+                > DRAFT_TABLE_LIMIT:
+            nxt = self.mtp[k](h, F.embedding(token, embed.weight))
+        else:   # the per-token table of MTPModule.draft
+            nxt = self.mtp[k].draft(h, token, embed.weight)
         return nxt, (F.linear(nxt, head.weight, head.bias) if type(head) is nn.Linear
                      else head(nxt))
 

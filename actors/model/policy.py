@@ -163,6 +163,11 @@ class Block(nn.Module):
         return x, (k, v)
 
 
+# Largest vocabulary x width x MTP heads (elements) for which drafting keeps per-token tables
+# (MTPModule.draft): 16M float32 values, 64 MB; a larger model drafts without them.
+DRAFT_TABLE_LIMIT = 16 * 2**20
+
+
 class MTPModule(nn.Module):
     """One multi-token-prediction module, in the style of DeepSeek-V3's: it combines the
     previous depth's representation ``h`` of position ``t`` with the embedding of the token
@@ -181,6 +186,7 @@ class MTPModule(nn.Module):
                                  nn.Linear(d_model, d_model))
         self.out = nn.LayerNorm(d_model)
         self._flat: Any = None   # forward's parameter lists, gathered on first use
+        self._draft_cache: Any = None   # (sources' stamp, draft table, h's projection)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """``h`` and ``emb`` are ``[..., D]``; returns the next depth's ``[..., D]``.
@@ -189,14 +195,46 @@ class MTPModule(nn.Module):
         numbers), gathered once: drafting runs this k times per decode step on a few rows,
         where module calls and attribute lookups would be most of its cost.  The parameters
         are referenced, not copied (in-place updates and ``load_state_dict`` keep them)."""
+        (n_h, n_e, n_z, n_out), (proj, up, down) = self._params()
+        norm = torch.layer_norm   # F.layer_norm's kernel, without its Python wrapper
+        z = F.linear(torch.cat([norm(h, *n_h), norm(emb, *n_e)], dim=-1), *proj)
+        return norm(z + F.linear(F.gelu(F.linear(norm(z, *n_z), *up)), *down), *n_out)
+
+    def _params(self) -> Any:
         if self._flat is None:
             norms = (self.norm_h, self.norm_e, self.norm, self.out)
             self._flat = ([(m.normalized_shape, m.weight, m.bias, m.eps) for m in norms],
                           [(m.weight, m.bias) for m in (self.proj, self.mlp[0], self.mlp[2])])
-        (n_h, n_e, n_z, n_out), (proj, up, down) = self._flat
-        norm = torch.layer_norm   # F.layer_norm's kernel, without its Python wrapper
-        z = F.linear(torch.cat([norm(h, *n_h), norm(emb, *n_e)], dim=-1), *proj)
+        return self._flat
+
+    def draft(self, h: torch.Tensor, token: torch.Tensor,
+              embed_weight: torch.Tensor) -> torch.Tensor:
+        """``forward(h, embedding(token))`` for drafting, ``h`` ``[B, D]``, ``token`` ``[B]``,
+        without gradients: the token's half of the input projection,
+        ``proj(norm_e(embedding))`` with the bias, is a per-token table over the vocabulary
+        computed once (and again whenever the embedding, ``norm_e`` or ``proj`` changed:
+        ``_version``), so a draft step looks its row up instead of normalising,
+        concatenating and projecting it.  Equal to :meth:`forward` up to float32 rounding
+        (the matmul is split in two); drafts are proposals that the base model verifies, so
+        rounding can cost an acceptance, never a token."""
+        (n_h, _, n_z, n_out), (_, up, down) = self._params()
+        table, w_h = self._draft_table(embed_weight)
+        norm = torch.layer_norm
+        z = torch.addmm(F.embedding(token, table), norm(h, *n_h), w_h)
         return norm(z + F.linear(F.gelu(F.linear(norm(z, *n_z), *up)), *down), *n_out)
+
+    def _draft_table(self, embed_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (_, n_e, _, _), (proj, _, _) = self._params()
+        stamp = [(p.data_ptr(), p._version) for p in (embed_weight, *n_e[1:3], *proj)]
+        if self._draft_cache is None or self._draft_cache[0] != stamp:
+            d = self.proj.out_features
+            with torch.no_grad():
+                e = F.layer_norm(embed_weight, self.norm_e.normalized_shape,
+                                 self.norm_e.weight, self.norm_e.bias, self.norm_e.eps)
+                table = F.linear(e, self.proj.weight[:, d:], self.proj.bias)
+                w_h = self.proj.weight[:, :d].t().contiguous()
+            self._draft_cache = (stamp, table, w_h)
+        return self._draft_cache[1], self._draft_cache[2]
 
 
 class PolicyModel(nn.Module):
@@ -263,7 +301,11 @@ class PolicyModel(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP module ``k`` (0-based) on ``h`` ``[B, D]`` and the tokens ``[B]`` at offset
         ``k + 1``: (its representation ``[B, D]``, logits ``[B, V]`` of the token after)."""
-        nxt = self.mtp[k](h, self.embed(token))
+        if torch.is_grad_enabled() or self.embed.weight.numel() * len(self.mtp) \
+                > DRAFT_TABLE_LIMIT:
+            nxt = self.mtp[k](h, self.embed(token))
+        else:
+            nxt = self.mtp[k].draft(h, token, self.embed.weight)
         return nxt, self.head(nxt)
 
     def num_parameters(self) -> int:

@@ -62,6 +62,19 @@ def uniforms(seeds: list[int], positions: list[int]) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
+def uniform_grid(seeds: list[int], starts: list[int], width: int) -> np.ndarray:
+    """``[len(seeds), width]``: row ``i`` holds :func:`uniform` of ``seeds[i]`` at positions
+    ``starts[i] .. starts[i] + width - 1``, bit-for-bit (the uniforms of a speculative step's
+    fed positions), broadcast in numpy instead of flattened Python lists."""
+    if any(p < 0 for p in starts):
+        raise ValueError(f"positions must be >= 0, got {min(starts)}")
+    s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)[:, None]
+    p = np.array(starts, dtype=np.uint64)[:, None] + np.arange(width, dtype=np.uint64)[None]
+    with np.errstate(over="ignore"):
+        z = _splitmix64_array(_splitmix64_array(s) ^ p)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
 def sample_token(logits_row: torch.Tensor, temperature: float, seed: int,
                  position: int) -> tuple[int, float]:
     """Sample one token from ``logits_row`` (``[V]``) and return ``(token, logprob)``.
@@ -120,7 +133,8 @@ def sample_rows(logits: np.ndarray, temperatures: np.ndarray, seeds: list[int],
                 positions: list[int], u: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`sample_token_f64` on every row of a float64 ``[N, V]`` matrix at once:
-    (tokens ``[N]``, logprobs ``[N]``), bit-for-bit the per-row results.  ``u``, when given,
+    (tokens ``[N]``, logprobs ``[N]``): the per-row tokens bit-for-bit, the logprobs up to the
+    last bit of the logarithm (numpy's vectorised log vs ``math.log``).  ``u``, when given,
     is ``uniforms(seeds, positions)`` computed beforehand (speculative drafting draws for
     several positions in turn); ``seeds`` and ``positions`` are then not read.
 
@@ -134,8 +148,15 @@ def sample_rows(logits: np.ndarray, temperatures: np.ndarray, seeds: list[int],
     temps = np.asarray(temperatures, dtype=np.float64)
     if not np.all(np.isfinite(temps)) or np.any(temps < 0):
         raise ValueError(f"temperatures must be finite and >= 0, got {temps}")
-    scale = np.where((temps == 0) | (temps == 1), 1.0, temps)
-    z = np.where(scale[:, None] == 1.0, logits, logits / scale[:, None])
+    plain = (temps == 0) | (temps == 1)
+    greedy = temps == 0
+    # Passes skipped when they cannot change a value (every row at temperature 0 or 1: no
+    # division; no greedy row: no argmax): the same numbers, fewer passes over [N, V].
+    if plain.all():
+        z = logits
+    else:
+        scale = np.where(plain, 1.0, temps)
+        z = np.where(scale[:, None] == 1.0, logits, logits / scale[:, None])
     top = z.max(axis=1)
     cdf = np.cumsum(np.exp(z - top[:, None]), axis=1)
     total = cdf[:, -1]
@@ -143,9 +164,14 @@ def sample_rows(logits: np.ndarray, temperatures: np.ndarray, seeds: list[int],
         raise ValueError("logits have no finite probability mass")
     if u is None:
         u = uniforms(seeds, positions)
-    drawn = (cdf <= (total * u)[:, None]).sum(axis=1)
-    last_with_mass = (cdf < total[:, None]).sum(axis=1)
-    tokens = np.where(temps == 0, np.argmax(z, axis=1), np.minimum(drawn, last_with_mass))
+    threshold = total * u
+    tokens = (cdf <= threshold[:, None]).sum(axis=1)
+    if np.any(threshold >= total):
+        # Only a threshold rounded up to the total mass can run past the last token with
+        # mass (into a zero-probability tail, or to V): clip there, as the per-row rule does.
+        tokens = np.minimum(tokens, (cdf < total[:, None]).sum(axis=1))
+    if greedy.any():
+        tokens = np.where(greedy, np.argmax(z, axis=1), tokens)
     rows = np.arange(len(z))
     return tokens, z[rows, tokens] - top - np.log(total)
 

@@ -12,7 +12,7 @@ import torch
 from erlay.actors.engine.api import GenerationRequest
 from erlay.actors.engine.core import DecodeBatch, Sequence, run_to_completion
 from erlay.actors.model.mtp import mtp_loss
-from erlay.actors.model.policy import PolicyConfig, PolicyModel
+from erlay.actors.model.policy import MTPModule, PolicyConfig, PolicyModel
 
 CONFIG = PolicyConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                       max_seq_len=40, mtp_heads=4)
@@ -207,3 +207,26 @@ def test_switching_between_speculative_and_plain_steps_keeps_plain_tokens(
     assert [s.completion for s in seqs] == [s.completion for s in plain]
     for a, b in zip(seqs, plain, strict=True):
         assert np.allclose(a._unstreamed_logprobs, b._unstreamed_logprobs, atol=1e-4)
+
+
+def test_draft_table_equals_the_module_forward_and_follows_weight_changes() -> None:
+    """MTPModule.draft (per-token table) == forward on the embedded token, to float32
+    rounding; an in-place update of the embedding, norm_e or proj (an optimiser step, a
+    weight load) rebuilds the table, so drafts never use stale weights."""
+    torch.manual_seed(0)
+    module, embed = MTPModule(16), torch.nn.Embedding(30, 16)
+    h, token = torch.randn(5, 16), torch.randint(0, 30, (5,))
+
+    def check() -> None:
+        with torch.no_grad():
+            want = module(h, embed(token))
+            got = module.draft(h, token, embed.weight)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+    check()
+    with torch.no_grad():
+        for param in (embed.weight, module.norm_e.weight, module.proj.weight, module.proj.bias):
+            param.add_(torch.randn_like(param))
+            check()
+        module.load_state_dict(MTPModule(16).state_dict())
+        check()

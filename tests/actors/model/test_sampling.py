@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from erlay.actors.model.sampling import rollout_seed, sample_token, sample_token_f64, uniform
+from erlay.actors.model.sampling import (
+    rollout_seed,
+    sample_rows,
+    sample_token,
+    sample_token_f64,
+    uniform,
+    uniform_grid,
+    uniforms,
+)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -0.5])
 
@@ -94,3 +103,51 @@ def test_rollout_seed_is_a_stable_golden_value() -> None:
     assert rollout_seed(0, "r-000002") != rollout_seed(0, "r-000001")
     assert 0 <= rollout_seed(-5, "x") < 2 ** 63
 
+
+
+def _rows_case(rng: np.random.Generator, n: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random float64 logits, some rows with a zero-probability (-inf) tail, and mixed
+    temperatures (greedy, 1, tempered)."""
+    logits = rng.normal(size=(n, v)) * 3
+    for i in range(0, n, 3):
+        logits[i, v - rng.integers(1, v // 2):] = -np.inf
+    temps = rng.choice([0.0, 1.0, 0.7, 1.3], size=n)
+    return logits, temps
+
+
+@pytest.mark.parametrize("all_plain", [False, True])
+def test_sample_rows_is_sample_token_f64_row_by_row(all_plain: bool) -> None:
+    rng = np.random.default_rng(0)
+    for case in range(20):
+        logits, temps = _rows_case(rng, 12, 17)
+        if all_plain:
+            temps = np.where(temps > 0, 1.0, 0.0) if case % 2 else np.ones(12)
+        seeds, positions = [int(x) for x in rng.integers(0, 2**62, 12)], list(range(12))
+        tokens, logprobs = sample_rows(logits, temps, seeds, positions)
+        for i in range(12):
+            token, logprob = sample_token_f64(logits[i], float(temps[i]), seeds[i],
+                                              positions[i])
+            # Tokens exactly; logprobs to the last bit of the logarithm (numpy's vectorised
+            # log and math.log may round the final bit apart).
+            assert int(tokens[i]) == token
+            assert float(logprobs[i]) == pytest.approx(logprob, rel=1e-15, abs=1e-15)
+
+
+def test_sample_rows_clips_a_threshold_rounded_up_to_the_total() -> None:
+    """A threshold ``total * u`` equal to ``total`` (u = 1 here; the guard against rounding):
+    the draw stops at the last token with mass, never in the zero-probability tail (the
+    per-row rule's clip)."""
+    logits = np.array([[0.0, 0.0, 0.0, -np.inf, -np.inf]] * 2)
+    u = np.array([1.0, 0.5])
+    tokens, _ = sample_rows(logits, np.ones(2), [], [], u=u)
+    assert tokens.tolist() == [2, 1]
+
+
+def test_uniform_grid_is_uniforms_bit_for_bit() -> None:
+    seeds, starts = [3, 2**63 + 5, -7, 0], [0, 10, 3, 95]
+    grid = uniform_grid(seeds, starts, 6)
+    flat = uniforms([s for s in seeds for _ in range(6)], [p + j for p in starts
+                                                           for j in range(6)])
+    assert grid.shape == (4, 6)
+    assert grid.tolist() == flat.reshape(4, 6).tolist()
+    assert grid[1, 2] == uniform(2**63 + 5, 12)
