@@ -108,6 +108,15 @@ def test_generate_streams_contiguous_chunks_with_the_learners_logprobs(tree: Any
     assert max(abs(a - b) for a, b in zip(got, ref[0].tolist(), strict=True)) < 1e-3
 
 
+def test_the_first_chunk_alone_carries_the_engines_timing_in_order(tree: Any) -> None:
+    chunks = collect(engine(tree, 0).generate.remote(request("timed", new=6,
+                                                             chunk_tokens=2).to_dict()))
+    timing = chunks[0].timing
+    assert timing is not None and list(timing) == ["received", "admitted", "prefilled", "sent"]
+    assert timing["received"] <= timing["admitted"] <= timing["prefilled"] <= timing["sent"]
+    assert all(c.timing is None for c in chunks[1:])
+
+
 def test_same_seed_same_tokens_and_stop_token_is_kept(tree: Any) -> None:
     import ray
     eng = engine(tree, 0)
