@@ -230,7 +230,7 @@ def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[Generation
 
     patches = [(model, "hidden", "forward"), (model, "draft_step", "drafts"),
                (core, "_draft_draw", "drafts"), (core, "sample_rows", "host_sampling"),
-               (core, "uniforms", "host_sampling"), (Sequence, "record", "bookkeeping"),
+               (core, "uniform_grid", "host_sampling"), (Sequence, "record", "bookkeeping"),
                (Sequence, "record_many", "bookkeeping"),
                (DecodeBatch, "drop_finished", "bookkeeping")]
     saved = [(owner, name, vars(owner).get(name)) for owner, name, _ in patches]
