@@ -16,6 +16,7 @@ intensity and the failure climbs to the root, the job fails with the offender na
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import queue
 import time
@@ -388,6 +389,11 @@ class Job:
             finish_nodes(cfg.node, nodes, self.run_dir.path.name)  # the elected one archives
             if ray_info["started"]:  # a Ray this job started ends with it, agents and all
                 shutdown_ray()
+            # The coordinator froze the driver's heap for the run (coordinator.py: setup);
+            # unfrozen, the process's exit collects it as usual.  Left frozen, native
+            # modules' leak checks (nanobind's, from triton) print hundreds of lines at
+            # exit, after the job's own last word.
+            gc.unfreeze()
         assert result is not None  # every other way out raised
         return self._end(result)
 
