@@ -7,6 +7,7 @@ for a failure and 5 when nothing is collected (which .ci/run must not let pass).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,11 +18,13 @@ from tests.paths import REPO
 CASES = "tests/data/exitcases/case_verdict.py"
 
 
-@pytest.mark.parametrize(("select", "status"), [
-    ("test_passes", 0), ("test_fails", 1), ("no_such_test", 5)])
-def test_the_child_pytest_exits_with_its_verdict(select: str, status: int) -> None:
+@pytest.mark.parametrize(("verdict", "select", "status"), [
+    ("pass", "test_verdict", 0), ("fail", "test_verdict", 1), ("pass", "no_such_test", 5)])
+def test_the_child_pytest_exits_with_its_verdict(verdict: str, select: str,
+                                                 status: int) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-o", "python_files=case_*.py", "-k", select, CASES],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "ERLAY_CASE_VERDICT": verdict})
     assert done.returncode == status, done.stdout[-2000:] + done.stderr[-2000:]
