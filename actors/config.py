@@ -8,8 +8,8 @@ judge class that cannot be imported.
 Every option is documented on its field; ``configs/reference.yaml`` shows them all.
 
 May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges,
-erlay.actors.config_data, erlay.actors.config_logging (the default plug-ins are named by
-import path).
+erlay.actors.config_data, erlay.actors.config_learner, erlay.actors.config_logging (the
+default plug-ins are named by import path).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from erlay.actors.config_data import DataSection
+from erlay.actors.config_learner import LearnerSection
 from erlay.actors.config_logging import LoggingSection
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.imports import import_path
@@ -182,32 +183,6 @@ class EngineSection(Section):
         "coupled", description="draft verification: coupled (token-identical to plain "
         "decoding, keeps replay exact) or rejection (speculative sampling)")
     vllm: VllmSection = VllmSection()
-
-
-class LearnerSection(Section):
-    num_ranks: int = Field(1, ge=1, description="learner ranks (one actor each, one_for_all)")
-    lr: float = Field(3e-4, gt=0, description="RL learning rate (Adam)")
-    lr_decay_steps: int = Field(0, ge=0, description="cosine-decay the RL learning rate over "
-                                "this many steps (0 = constant)")
-    lr_min_ratio: float = Field(0.1, gt=0, le=1, description="final learning rate / lr")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
-    mtp_loss_weight: float = Field(0.0, ge=0, description="weight of the MTP heads' "
-                                   "cross-entropy beside the RL loss (trains the heads only)")
-    clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip")
-    is_cap: float = Field(2.0, ge=1.0, description="truncated importance-weight cap")
-    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0 = off)")
-    minibatches: int = Field(1, ge=1, description="optimizer steps per RL step, each on a "
-                             "contiguous slice of the batch")
-    torch_threads: int = Field(1, ge=1, description="torch threads of each learner process")
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where each "
-                        "rank keeps the model and computes: cpu, or cuda (the rank's GPU; set "
-                        "num_gpus so Ray gives it one)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per learner rank (Ray resource)")
-    train_deadline_s: float = Field(300.0, gt=0, description="hang deadline of a train step")
-    call_timeout_s: float = Field(900.0, gt=0, description="deadline of one call into the "
-                                  "learner (a train step, a checkpoint, publishing weights); "
-                                  "past it the coordinator waits for the learner's restart")
 
 
 class WarmStartSection(Section):
