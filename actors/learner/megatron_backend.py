@@ -1,0 +1,617 @@
+"""``learner.backend: megatron``: a learner rank that trains a megatron-core ``GPTModel``
+built from an HF Llama- or Qwen2-style model, with tensor and data parallelism.
+
+GPU only, not run in CI; verified by bench/gpu/megatron_parity.py on a GPU.  megatron-core
+0.16's forward pass calls CUDA directly (the rotary embedding moves its frequencies to
+``torch.cuda.current_device()``, the attention forks the CUDA RNG tracker), so
+:class:`MegatronLearner` raises a clear error when CUDA is absent.  What the CPU tests do run
+from here: :func:`build_gpt_model` (``use_cpu_initialization``), the strict load of converted
+weights, and :func:`completion_logprobs`; the conversion itself is
+:mod:`erlay.actors.model.megatron_convert`.
+
+:class:`MegatronLearner` has :class:`erlay.actors.learner.rank.Learner`'s public surface
+(``train_step``, ``sft``, ``publish``, ``versioned_weights``, ``status``, ``state`` /
+``load_state``, ``save_checkpoint``, ``wait_checkpoints``, ``erlay_terminate``, ``progress``)
+and the same constructor keywords, plus ``tensor_parallel``, ``pipeline_parallel`` and
+``data_parallel`` (``learner.megatron``).  Design:
+
+- **Ranks and groups.** ``world_size = tp x pp x dp`` ranks, one per GPU, in one NCCL group
+  formed lazily at the first collective (the supervisor starts ranks one at a time; a
+  constructor that waited for its peers would never let the next start), then megatron's
+  ``parallel_state`` (order tp-cp-ep-dp-pp: ranks ``0 .. tp-1`` are rank 0's
+  tensor-parallel group).  The model is built and loaded at that point too.  A world of one
+  builds at once.
+- **Weights.** Every rank reads the HF weights (``model.hf``), converts them
+  (:func:`~erlay.actors.model.megatron_convert.hf_to_megatron`) and keeps its
+  tensor-parallel shard.  After each step rank 0's tensor-parallel group gathers the shards
+  and rank 0 keeps the merged HF-named weights: what :meth:`publish` sends the engines and
+  what checkpoints hold, so a checkpoint is an HF state dict ``erlay export`` can write.
+- **A step.** Each data-parallel rank trains its contiguous shard of the batch (tensor
+  ranks of one data-parallel rank see the same rows), logprobs from the model's logits
+  (padded vocabulary dropped, divided by the engines' temperature), the GRPO loss of
+  :func:`erlay.actors.learner.grpo.grpo_loss`, gradients averaged over the data-parallel
+  group, clipped by the global norm (tensor-parallel parameters' squares summed over the
+  tensor group, replicated ones counted once), then torch AdamW on the local parameters.
+- **Not done.** ``pipeline_parallel > 1`` is refused (preflight and here): the pipeline
+  schedule (``get_forward_backward_func``) is not wired.  LoRA and MTP heads are refused.
+  With ``tensor_parallel > 1`` checkpoints hold the merged weights but only rank 0's
+  optimizer state is meaningful, so a restore restarts Adam's moments (with TP = 1 they are
+  restored exactly).
+- **Failures.** The ranks share NCCL groups, so they are one ``one_for_all`` domain: any
+  rank's death (kill, hang, OOM) restarts all of them from the last checkpoint, as for the
+  replicated learner.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import random
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import distributed as dist
+
+from erlay.actors.learner.core import (
+    _TOKEN_WEIGHTED,
+    LOOPBACK,
+    TrainBatch,
+    pad_rows,
+    rl_learning_rate,
+    shard,
+    staleness_stats,
+)
+from erlay.actors.learner.grpo import group_advantages, grpo_loss
+from erlay.actors.model.megatron_convert import (
+    MegatronShape,
+    check_parallel,
+    gpt_model_kwargs,
+    hf_to_megatron,
+    megatron_shape,
+    megatron_to_hf,
+    merge_tp,
+    split_tp,
+    transformer_config_kwargs,
+)
+from erlay.supervisor.progress import Progress
+
+log = logging.getLogger("erlay.learner")
+
+STATE_FORMAT = "megatron-1"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MegatronUnavailable(RuntimeError):
+    """The megatron backend cannot run here (no CUDA, or megatron-core missing)."""
+
+
+def require_cuda() -> None:
+    """Raise :class:`MegatronUnavailable` unless CUDA is available."""
+    if not torch.cuda.is_available():
+        raise MegatronUnavailable("learner.backend megatron runs on GPUs only: megatron-core "
+                                  "0.16's forward pass needs CUDA, and torch sees none here")
+
+
+def init_parallel_state(tp: int, pp: int) -> None:
+    """megatron's ``parallel_state`` over the current ``torch.distributed`` group (which
+    must exist): tensor size ``tp``, pipeline size ``pp``, data size the rest."""
+    from megatron.core import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 pipeline_model_parallel_size=pp)
+
+
+def build_gpt_model(shape: MegatronShape, *, tp: int = 1, pp: int = 1,
+                    dtype: torch.dtype = torch.float32, cpu_init: bool = False) -> Any:
+    """A megatron-core ``GPTModel`` of ``shape`` with the local (no Transformer Engine) layer
+    spec; ``parallel_state`` must be initialised with the same ``tp`` and ``pp``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    config = TransformerConfig(**transformer_config_kwargs(shape),
+                               tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               fp16=dtype == torch.float16, use_cpu_initialization=cpu_init)
+    return GPTModel(config=config,
+                    transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    **gpt_model_kwargs(shape, tp))
+
+
+def load_megatron_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load converted tensors into ``model`` with ``strict=True``: every parameter must be
+    given, with its shape, and nothing else.  Only megatron's ``_extra_state`` entries (no
+    tensors: Transformer Engine's FP8 metadata slot) are taken from the model itself."""
+    extra = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    model.load_state_dict({**extra, **state}, strict=True)
+
+
+def causal_mask(length: int, device: Any = None) -> torch.Tensor:
+    """megatron's attention mask ``[1, 1, S, S]``: True where a query must not look."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def right_pad(seqs: list[list[int]], device: Any = None) -> torch.Tensor:
+    """``[B, S]`` token ids, each sequence from slot 0 and zeros after it: with a causal mask
+    and RoPE positions ``0 .. S-1`` the padding can change no real token's logits."""
+    width = max(len(s) for s in seqs)
+    out = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device) if device is not None else out
+
+
+def megatron_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, S, V']`` logits of right-padded ``tokens`` (gathered over tensor ranks)."""
+    s = tokens.shape[1]
+    positions = torch.arange(s, device=tokens.device)[None].expand_as(tokens)
+    return model(tokens, positions, causal_mask(s, tokens.device))
+
+
+def completion_logprobs(logits: torch.Tensor, prompts: list[list[int]],
+                        completions: list[list[int]], vocab_size: int,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, mask)`` ``[B, L]`` of each completion token given what precedes it, from
+    right-padded ``logits`` ``[B, S, V']``; the padded vocabulary (ids ``>= vocab_size``)
+    is dropped before the softmax, and logits are divided by ``temperature`` unless it is 0
+    or 1, as :func:`erlay.actors.model.policy.sequence_logprobs` scores them."""
+    logits = logits[..., :vocab_size]
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    width = max((len(c) for c in completions), default=0)
+    out = torch.zeros((len(completions), width), device=logits.device)
+    mask = torch.zeros((len(completions), width), dtype=torch.bool, device=logits.device)
+    for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if not c:
+            continue
+        slots = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=logits.device)
+        targets = torch.tensor(c, device=logits.device)
+        out[b, :len(c)] = logp[b, slots, targets]
+        mask[b, :len(c)] = True
+    return out, mask
+
+
+def read_hf_state(model_dir: str) -> dict[str, torch.Tensor]:
+    """The HF weights of ``model_dir`` (safetensors or torch files, sharded or not) on the
+    CPU, without building the HF model."""
+    from transformers import AutoModelForCausalLM
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
+                                              dtype=torch.float32)
+    return {k: v.detach() for k, v in lm.state_dict().items()}
+
+
+class MegatronLearner:
+    """One megatron learner rank (module docstring).  GPU only."""
+
+    def __init__(self, model_config: dict[str, Any], *, lr: float = 3e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+                 max_grad_norm: float = 1.0, clip_eps: float = 0.2, is_cap: float = 2.0,
+                 kl_coef: float = 0.0, seed: int = 0, torch_threads: int = 1,
+                 minibatches: int = 1, rank: int = 0, world_size: int = 1,
+                 master_addr: str = LOOPBACK, master_port: int = 29500,
+                 dist_timeout_s: float = 120.0, temperature: float = 1.0,
+                 lr_decay_steps: int = 0, lr_min_ratio: float = 0.1,
+                 mtp_loss_weight: float = 0.0, device: str = "cuda",
+                 checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
+                 ledger_path: str | None = None, init_model_dir: str | None = None,
+                 tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 data_parallel: int | None = None) -> None:
+        require_cuda()
+        if not model_config.get("hf"):
+            raise ValueError("the megatron backend needs an HF model (model.hf)")
+        if model_config.get("lora") or model_config.get("mtp_heads"):
+            raise ValueError("the megatron backend trains full weights: no LoRA, no MTP heads")
+        if pipeline_parallel != 1:
+            raise ValueError("learner.megatron.pipeline_parallel > 1 is not implemented")
+        if tensor_parallel * pipeline_parallel * (data_parallel or 1) != world_size \
+                and data_parallel is not None:
+            raise ValueError(f"tp {tensor_parallel} x pp {pipeline_parallel} x dp "
+                             f"{data_parallel} != world_size {world_size}")
+        from erlay.actors.model.hf import load_hf_config
+        self.model_dir = model_config["hf"]
+        self.shape = megatron_shape(load_hf_config(Path(self.model_dir)))
+        check_parallel(self.shape, tensor_parallel, pipeline_parallel)
+        torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        self.tp, self.pp = tensor_parallel, pipeline_parallel
+        self.dp = world_size // (tensor_parallel * pipeline_parallel)
+        self.rank, self.world_size = rank, world_size
+        self.master_addr, self.master_port = master_addr, master_port
+        self.dist_timeout_s = dist_timeout_s
+        self.dtype = _DTYPES.get(str(model_config.get("dtype", "float32")), torch.float32)
+        self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
+                                       "weight_decay": weight_decay}
+        self.max_grad_norm, self.clip_eps, self.is_cap = max_grad_norm, clip_eps, is_cap
+        self.kl_coef, self.seed, self.minibatches = kl_coef, seed, minibatches
+        self.temperature = temperature
+        self.lr_decay_steps, self.lr_min_ratio = lr_decay_steps, lr_min_ratio
+        self.progress = Progress()
+        self._step = self._version = 0
+        self._warm_started = False
+        self._lock = threading.Lock()
+        self.model: Any = None
+        self.reference: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._published: dict[str, torch.Tensor] | None = None   # rank 0: merged HF weights
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_keep = checkpoint_keep
+        self._checkpointer: Any = None
+        self.restored: dict[str, Any] | None = None
+        self._pending_state: dict[str, Any] | None = None
+        from erlay.actors.learner.checkpoint import latest, load
+        info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        if info is not None:   # loaded into the model when it is built
+            self._pending_state, extra = load(info.path)
+            self._step = int(self._pending_state["step"])
+            self._version = int(self._pending_state["version"])
+            self.restored = {"step": info.step, "path": str(info.path), **extra}
+        from erlay.actors.learner.ledger import LearnerLedger
+        self.ledger = LearnerLedger(ledger_path) if ledger_path and rank == 0 else None
+        if self.ledger is not None:
+            self.ledger.started(self._step, self.restored is not None)
+        if world_size == 1:
+            self._ensure_model()
+
+    # ------------------------------------------------------------------ the model, lazily
+    def _ensure_model(self) -> None:
+        """Form the groups, build the model, load the weights (a checkpoint's or the HF
+        directory's): at the first collective call, on every rank together."""
+        if self.model is not None:
+            return
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
+        if not dist.is_initialized():
+            os.environ["MASTER_ADDR"] = self.master_addr
+            os.environ["MASTER_PORT"] = str(self.master_port)
+            dist.init_process_group("nccl", rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.dist_timeout_s))
+        init_parallel_state(self.tp, self.pp)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(self.seed)
+        self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self._tp_group = parallel_state.get_tensor_model_parallel_group()
+        self._dp_rank = parallel_state.get_data_parallel_rank()
+        self._dp_group = parallel_state.get_data_parallel_group()
+        self.model = build_gpt_model(self.shape, tp=self.tp, pp=self.pp, dtype=self.dtype)
+        self.model.cuda()
+        pending, self._pending_state = self._pending_state, None
+        hf = pending["model_hf"] if pending is not None else read_hf_state(self.model_dir)
+        self._load_hf(hf)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._hyper)
+        if pending is not None:
+            self._restore_rest(pending)
+        if self.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        self._refresh_published()
+        log.info("megatron learner rank %d/%d (tp %d rank %d, dp %d rank %d) ready",
+                 self.rank, self.world_size, self.tp, self._tp_rank, self.dp, self._dp_rank)
+
+    def _load_hf(self, hf: dict[str, torch.Tensor]) -> None:
+        full = hf_to_megatron(hf, self.shape, tp=self.tp)
+        mine = split_tp(full, self.shape, self.tp)[self._tp_rank]
+        device = torch.device("cuda", torch.cuda.current_device())
+        load_megatron_state(self.model, {k: v.to(device, self.dtype) for k, v in mine.items()})
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()
+                if isinstance(v, torch.Tensor)}
+
+    def _refresh_published(self) -> None:
+        """Rank 0's tensor group gathers the shards; rank 0 keeps the merged HF weights on
+        the host.  Every rank calls it (ranks outside rank 0's tensor group return)."""
+        if self.rank >= self.tp:
+            return
+        local = self._local_state()
+        if self.tp == 1:
+            shards = [local]
+        else:
+            shards = [{} for _ in range(self.tp)]
+            for name, tensor in local.items():
+                parts = [torch.empty_like(tensor) for _ in range(self.tp)]
+                dist.all_gather(parts, tensor.contiguous(), group=self._tp_group)
+                for r, part in enumerate(parts):
+                    shards[r][name] = part
+        if self.rank == 0:
+            merged = merge_tp([{k: v.float().cpu() for k, v in s.items()} for s in shards],
+                              self.shape)
+            self._published = megatron_to_hf(merged, self.shape)
+
+    # ------------------------------------------------------------------ reading the policy
+    def version(self) -> int:
+        return self._version
+
+    def status(self) -> dict[str, Any]:
+        """``{step, version, warm_started, restored, committed}`` (as the replicated learner)."""
+        from erlay.actors.learner.checkpoint import latest
+        info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        return {"step": self._step, "version": self._version,
+                "warm_started": self._warm_started, "restored": self.restored,
+                "committed": info.step if info else None}
+
+    def versioned_weights(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The version and the merged HF-named float32 weights (rank 0).  Before the model
+        is built (peers not joined yet) these are the checkpoint's or the HF directory's."""
+        if self.rank != 0:
+            raise RuntimeError(f"learner rank {self.rank} does not publish weights; rank 0 does")
+        with self._lock:
+            if self._published is not None:
+                weights = self._published
+            elif self._pending_state is not None:
+                weights = self._pending_state["model_hf"]
+            else:
+                weights = read_hf_state(self.model_dir)
+            return self._version, {k: v.float().cpu().numpy().copy() for k, v in
+                                   weights.items()}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return self.versioned_weights()[1]
+
+    def publish(self) -> tuple[int, list[Any]]:
+        """``(version, [ref])`` as :meth:`erlay.actors.learner.rank.Learner.publish`."""
+        import ray
+        version, weights = self.versioned_weights()
+        return version, [ray.put(weights)]
+
+    # ------------------------------------------------------------------------- updates
+    def _logprobs(self, model: Any, prompts: list[list[int]], completions: list[list[int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = right_pad([p + c for p, c in zip(prompts, completions, strict=True)],
+                           device=torch.device("cuda", torch.cuda.current_device()))
+        return completion_logprobs(megatron_logits(model, tokens), prompts, completions,
+                                   self.shape.vocab_size, self.temperature)
+
+    def train_step(self, batch: dict[str, Any] | TrainBatch,
+                   expected_step: int | None = None) -> dict[str, float]:
+        """One GRPO update, with :meth:`erlay.actors.learner.core.LearnerCore.train_step`'s
+        contract (stale steps, minibatches against fixed proximal logprobs, metrics)."""
+        if expected_step is not None and expected_step != self._step:
+            return {"stale_step": True, "learner_step": self._step, "version": self._version}
+        tb = batch if isinstance(batch, TrainBatch) else TrainBatch.from_dict(batch)
+        self._ensure_model()
+        with self._lock, self.progress.working("train_step", work=f"step {self._step + 1}"):
+            started, start_version = time.perf_counter(), self._version
+            lr = rl_learning_rate(self._hyper["lr"], self._step, self.lr_decay_steps,
+                                  self.lr_min_ratio)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            rewards = torch.tensor(tb.rewards, dtype=torch.float32)
+            valid = None if tb.valid is None else torch.tensor(tb.valid, dtype=torch.bool)
+            advantages = group_advantages(rewards, tb.group_size, valid=valid)
+            mine = shard(list(range(len(tb))), self.dp, self._dp_rank)
+            chunks = [shard(mine, self.minibatches, j) for j in range(self.minibatches)]
+            fixed = []
+            with torch.no_grad():
+                for chunk in chunks:
+                    prompts = [tb.prompt_ids[i] for i in chunk]
+                    comps = [tb.completion_ids[i] for i in chunk]
+                    has = any(any(tb.token_mask(i)) for i in chunk)
+                    prox = self._logprobs(self.model, prompts, comps)[0] if has else None
+                    ref = self._logprobs(self.reference, prompts, comps)[0] \
+                        if has and self.reference is not None else None
+                    fixed.append((prox, ref))
+            self.progress.tick()
+            sums = dict.fromkeys(_TOKEN_WEIGHTED, 0.0)
+            local_tokens = global_tokens = 0
+            norms = []
+            for chunk, (prox, ref) in zip(chunks, fixed, strict=True):
+                self.optimizer.zero_grad()
+                n_local = sum(sum(tb.token_mask(i)) for i in chunk)
+                n_global = int(self._dp_sum(float(n_local)))
+                stats: dict[str, float] = {}
+                if n_local:
+                    logp, token_mask = self._logprobs(
+                        self.model, [tb.prompt_ids[i] for i in chunk],
+                        [tb.completion_ids[i] for i in chunk])
+                    width = logp.shape[1]
+                    behaviour = pad_rows([tb.behaviour_logprobs[i] for i in chunk], width,
+                                         torch.float32).to(logp.device)
+                    trained = pad_rows([tb.token_mask(i) for i in chunk], width,
+                                       torch.bool).to(logp.device)
+                    loss, stats = grpo_loss(
+                        logp, prox, behaviour, advantages[chunk].to(logp.device),
+                        token_mask & trained, clip_eps=self.clip_eps, is_cap=self.is_cap,
+                        kl_coef=self.kl_coef, ref_logp=ref)
+                    (loss * (n_local * self.dp / n_global)).backward()
+                norms.append(self._apply_gradients(n_global))
+                for key in _TOKEN_WEIGHTED:
+                    sums[key] += stats.get(key, 0.0) * n_local
+                local_tokens += n_local
+                global_tokens += n_global
+                self.progress.tick()
+            self._step += 1
+            self._version += 1
+            self._refresh_published()
+            groups = rewards.view(-1, tb.group_size)
+            flat = (groups.max(dim=1).values == groups.min(dim=1).values).float()
+            metrics = {
+                "step": self._step, "version": self._version, "lr": lr,
+                **{k: v / max(local_tokens, 1) for k, v in sums.items()},
+                "grad_norm": sum(norms) / len(norms), "tokens": global_tokens,
+                "completions": len(tb), "groups": len(tb) // tb.group_size,
+                "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std(unbiased=False)),
+                "zero_advantage_group_fraction": float(flat.mean()),
+                **staleness_stats(tb.versions, start_version),
+                "time_s": time.perf_counter() - started}
+        if self.ledger is not None:
+            rows = tb.to_dict()
+            self.ledger.trained(self._step - 1, self._version - 1, rows["rollout_ids"],
+                                rows["versions"], rows.get("loss_mask"))
+        if self._checkpointer is not None:
+            self._checkpointer.poll()
+        return metrics
+
+    def sft(self, prompts: list[list[int]], targets: list[list[int]], steps: int,
+            batch_size: int, lr: float | None = None) -> dict[str, Any]:
+        """Supervised warm start, with :meth:`LearnerCore.sft`'s contract."""
+        if len(prompts) != len(targets) or not prompts or steps < 1 or batch_size < 1:
+            raise ValueError("sft needs as many prompts as targets, steps >= 1, batch >= 1")
+        self._ensure_model()
+        losses: list[float] = []
+        tokens = 0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._hyper["lr"] if lr is None else lr
+        with self._lock, self.progress.working("sft", work=f"{steps} steps"):
+            for s in range(steps):
+                batch = [(s * batch_size + j) % len(prompts) for j in range(batch_size)]
+                mine = shard(batch, self.dp, self._dp_rank)
+                self.optimizer.zero_grad()
+                n_local = sum(len(targets[i]) for i in mine)
+                loss_sum, loss = 0.0, None
+                if n_local:
+                    logp, mask = self._logprobs(self.model, [prompts[i] for i in mine],
+                                                [targets[i] for i in mine])
+                    loss = -(logp * mask).sum()
+                    loss_sum = float(loss.detach())
+                n_global = self._dp_sum(float(n_local))
+                total = self._dp_sum(loss_sum)
+                if loss is not None:
+                    (loss * (self.dp / n_global)).backward()
+                self._apply_gradients(int(n_global))
+                losses.append(total / max(n_global, 1.0))
+                tokens += int(n_global)
+                self.progress.tick()
+            self._version += 1
+            self._warm_started = True
+            if self.reference is not None:
+                self.reference = copy.deepcopy(self.model).requires_grad_(False)
+            self._refresh_published()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._hyper["lr"]
+        points = sorted({round(k * (steps - 1) / 10) for k in range(11)})
+        return {"steps": steps, "version": self._version, "tokens": tokens,
+                "loss_first": losses[0], "loss_last": losses[-1], "loss_min": min(losses),
+                "curve": [(p, losses[p]) for p in points]}
+
+    def _dp_sum(self, value: float) -> float:
+        if self.dp == 1:
+            return value
+        buf = torch.tensor([value], dtype=torch.float64, device="cuda")
+        dist.all_reduce(buf, group=self._dp_group)
+        return float(buf[0])
+
+    def _apply_gradients(self, tokens: int) -> float:
+        """Average gradients over the data-parallel group, clip by the global norm, step;
+        no step without tokens or with a non-finite norm (as the replicated learner)."""
+        if tokens == 0:
+            return 0.0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.dp > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self._dp_group)
+            flat /= self.dp
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        split = [p for p in params if getattr(p, "tensor_model_parallel", False)]
+        replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
+        sq = torch.zeros((), dtype=torch.float64, device="cuda")
+        for p in split:
+            sq += p.grad.double().pow(2).sum()
+        if self.tp > 1:
+            dist.all_reduce(sq, group=self._tp_group)
+        for p in replicated:
+            sq += p.grad.double().pow(2).sum()
+        norm = float(sq.sqrt())
+        if not math.isfinite(norm):
+            log.warning("megatron learner rank %d: gradient norm %s, step skipped", self.rank,
+                        norm)
+            return norm
+        if self.max_grad_norm > 0 and norm > self.max_grad_norm:
+            scale = self.max_grad_norm / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        self.optimizer.step()
+        return norm
+
+    # ---------------------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        """Rank 0's resumable state: the merged HF weights, the optimizer (exact with
+        tensor_parallel 1), step, version and RNG."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 holds the merged state")
+        self._ensure_model()
+        with self._lock:
+            return {"format": STATE_FORMAT, "shape": self.shape.to_dict(),
+                    "model_hf": {k: v.clone() for k, v in self._published.items()},
+                    "optimizer": copy.deepcopy(self.optimizer.state_dict())
+                    if self.tp == 1 else None,
+                    "step": self._step, "version": self._version,
+                    "warm_started": self._warm_started,
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        """Restore a :meth:`state` on this rank (its tensor shard of the weights)."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"learner state format {state.get('format')!r}, expected "
+                             f"{STATE_FORMAT}")
+        if state["shape"] != self.shape.to_dict():
+            raise ValueError(f"checkpoint model shape {state['shape']} does not match "
+                             f"{self.shape.to_dict()}")
+        if self.model is None:
+            self._pending_state = state
+            self._ensure_model()
+        else:
+            with self._lock:
+                self._load_hf(state["model_hf"])
+                self._restore_rest(state)
+                self._refresh_published()
+        return self._version
+
+    def _restore_rest(self, state: dict[str, Any]) -> None:
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group in self.optimizer.param_groups:
+                group.update(self._hyper)
+        self._step, self._version = int(state["step"]), int(state["version"])
+        self._warm_started = bool(state.get("warm_started", True))
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    def save_checkpoint(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Rank 0 saves :meth:`state` asynchronously (the replicated learner's
+        :class:`~erlay.actors.learner.checkpoint.AsyncCheckpointer`); ``{step, exposed_s,
+        committed}``."""
+        if self.rank != 0 or self.checkpoint_dir is None:
+            return {"step": self._step, "exposed_s": 0.0, "committed": None}
+        from erlay.actors.learner.checkpoint import AsyncCheckpointer
+        if self._checkpointer is None:
+            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
+        self._checkpointer.poll()
+        started = time.perf_counter()
+        self._checkpointer.save(self._step, self.state(), extra or {})
+        self._checkpointer.wait_snapshot()
+        return {"step": self._step, "exposed_s": time.perf_counter() - started,
+                "committed": self._checkpointer.committed}
+
+    def wait_checkpoints(self) -> int | None:
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+        return self.status()["committed"]
+
+    def erlay_terminate(self) -> None:
+        """Commit pending checkpoints, then leave the process groups."""
+        if self._checkpointer is not None:
+            try:
+                self._checkpointer.wait()
+                self._checkpointer.close()
+            except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask
+                log.error("megatron learner rank %d: pending checkpoint failed: %s",
+                          self.rank, exc)
+        if dist.is_initialized():
+            from megatron.core import parallel_state
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
