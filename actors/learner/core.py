@@ -31,8 +31,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +38,21 @@ import numpy as np
 import torch
 from torch import distributed as dist
 
+from erlay.actors.learner.batch import (
+    TrainBatch,
+    pad_rows,
+    rl_learning_rate,
+    shard,
+    staleness_stats,
+)
+from erlay.actors.learner.fsdp import (
+    FQN_LAYOUT,
+    Fsdp2Plan,
+    clip_global,
+    optimizer_by_index,
+    optimizer_by_name,
+    trainable_names,
+)
 from erlay.actors.learner.grpo import group_advantages, grpo_loss
 from erlay.actors.model.build import Policy, build_policy, publish_state, shape_of
 from erlay.actors.model.mtp import mtp_loss
@@ -48,146 +61,14 @@ from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.learner")
 
+__all__ = ["LearnerCore", "TrainBatch", "pad_rows", "rl_learning_rate", "shard",
+           "staleness_stats"]
+
 STATE_FORMAT = 1
 LOOPBACK = "127.0.0.1"
 # Loss statistics averaged over minibatches, weighted by their token counts.
 _TOKEN_WEIGHTED = ("loss", "clip_fraction", "is_weight_mean", "is_weight_max_hit_fraction",
                    "kl", "ratio_mean", "approx_kl")
-
-
-@dataclass(frozen=True)
-class TrainBatch:
-    """Completed, judged rollouts for one learner step, as GRPO groups.
-
-    Row ``i`` is one completion of ``prompt_ids[i]``; rows come group by group, ``group_size``
-    completions of the same prompt in a row.  Per completion token: the behaviour logprob the
-    engine sampled it with, the policy version that produced it (segments of one completion
-    may differ when a weight update landed mid-rollout; -1 for tokens no policy produced,
-    such as tool output), and whether it is trained on
-    (``loss_mask``; tool output injected into a multi-turn completion is not).  ``valid``
-    marks the samples that count in their group's advantage statistics: one whose judge or
-    user code failed is consumed with weight 0 and must not lower its siblings' baseline as
-    a reward of 0 would (None: all count).  Validated on construction; a bad batch raises
-    ValueError naming the row.
-    """
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    behaviour_logprobs: list[list[float]]
-    versions: list[list[int]]
-    rewards: list[float]
-    group_size: int
-    rollout_ids: list[str]
-    loss_mask: list[list[bool]] | None = None
-    valid: list[bool] | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.completion_ids)
-        columns: dict[str, Sequence[Any]] = {
-            "prompt_ids": self.prompt_ids, "behaviour_logprobs": self.behaviour_logprobs,
-            "versions": self.versions, "rewards": self.rewards, "rollout_ids": self.rollout_ids}
-        if self.loss_mask is not None:
-            columns["loss_mask"] = self.loss_mask
-        if self.valid is not None:
-            columns["valid"] = self.valid
-        for name, column in columns.items():
-            if len(column) != n:
-                raise ValueError(f"{name} has {len(column)} rows, completion_ids has {n}")
-        if n == 0:
-            raise ValueError("a train batch needs at least one completion")
-        if self.group_size < 1 or n % self.group_size:
-            raise ValueError(f"{n} completions do not split into groups of {self.group_size}")
-        for i in range(n):
-            self._check_row(i)
-
-    def _check_row(self, i: int) -> None:
-        width = len(self.completion_ids[i])
-        if not self.prompt_ids[i]:
-            raise ValueError(f"row {i}: the prompt is empty")
-        per_token: list[tuple[str, Sequence[Any]]] = [
-            ("behaviour_logprobs", self.behaviour_logprobs[i]), ("versions", self.versions[i])]
-        if self.loss_mask is not None:
-            per_token.append(("loss_mask", self.loss_mask[i]))
-        for name, row in per_token:
-            if len(row) != width:
-                raise ValueError(f"row {i}: {name} has {len(row)} entries for "
-                                 f"{width} completion tokens")
-        # Untrained tokens (tool output) may carry no real behaviour logprob; trained ones must.
-        if any(t and math.isnan(lp) for t, lp in zip(self.token_mask(i),
-                                                     self.behaviour_logprobs[i], strict=True)):
-            raise ValueError(f"row {i} ({self.rollout_ids[i]}): a trained token has a NaN "
-                             f"behaviour logprob")
-        if not math.isfinite(self.rewards[i]):
-            raise ValueError(f"row {i} ({self.rollout_ids[i]}): reward {self.rewards[i]} "
-                             f"is not finite")
-
-    def __len__(self) -> int:
-        return len(self.completion_ids)
-
-    def token_mask(self, i: int) -> list[bool]:
-        """Which tokens of completion ``i`` are trained on."""
-        if self.loss_mask is None:
-            return [True] * len(self.completion_ids[i])
-        return list(self.loss_mask[i])
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists and numbers (copies): cheap for Ray to serialise, readable in a
-        journal.  Copied row by row; ``dataclasses.asdict`` is ~10x slower on these lists."""
-        rows = {name: [list(row) for row in getattr(self, name)] for name in
-                ("prompt_ids", "completion_ids", "behaviour_logprobs", "versions")}
-        return {**rows, "rewards": list(self.rewards), "group_size": self.group_size,
-                "rollout_ids": list(self.rollout_ids),
-                "loss_mask": None if self.loss_mask is None else
-                [list(row) for row in self.loss_mask],
-                "valid": None if self.valid is None else list(self.valid)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainBatch:
-        names = {f.name for f in fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"unknown train batch fields: {sorted(unknown)}")
-        return cls(**data)
-
-
-def rl_learning_rate(base: float, step: int, decay_steps: int, min_ratio: float) -> float:
-    """Cosine decay from ``base`` to ``base * min_ratio`` over ``decay_steps`` RL steps, then
-    flat; ``decay_steps = 0`` keeps ``base``.  Pure, so a resumed learner recomputes it."""
-    if decay_steps <= 0:
-        return base
-    progress = min(step, decay_steps) / decay_steps
-    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def staleness_stats(versions: list[list[int]], learner_version: int) -> dict[str, float]:
-    """How many versions behind the learner each trajectory's oldest token is.
-
-    Versions below 0 (tokens no policy produced) are ignored, and trajectories with no
-    policy tokens are left out.  Negative staleness is possible (and harmless) right after
-    the learner reloads a checkpoint older than the engines' weights.
-    """
-    made = [[x for x in v if x >= 0] for v in versions]
-    lags = [learner_version - min(v) for v in made if v]
-    if not lags:
-        return {"staleness_mean": 0.0, "staleness_max": 0.0, "staleness_min": 0.0}
-    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags)),
-            "staleness_min": float(min(lags))}
-
-
-def shard(indices: list[int], parts: int, index: int) -> list[int]:
-    """Contiguous part ``index`` of ``parts`` near-equal parts of ``indices`` (may be empty)."""
-    base, extra = divmod(len(indices), parts)
-    start = index * base + min(index, extra)
-    return indices[start:start + base + (1 if index < extra else 0)]
-
-
-def pad_rows(rows: list[list[Any]], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Right-pad ragged rows with zeros (False) to ``[len(rows), width]``."""
-    out = torch.zeros((len(rows), width), dtype=dtype)
-    for i, row in enumerate(rows):
-        if row:
-            out[i, :len(row)] = torch.tensor(row, dtype=dtype)
-    return out
 
 
 class LearnerCore:
@@ -211,7 +92,11 @@ class LearnerCore:
                  master_addr: str = LOOPBACK, master_port: int = 29500,
                  dist_timeout_s: float = 120.0, temperature: float = 1.0,
                  lr_decay_steps: int = 0, lr_min_ratio: float = 0.1,
-                 mtp_loss_weight: float = 0.0, device: str = "cpu") -> None:
+                 mtp_loss_weight: float = 0.0, device: str = "cpu",
+                 backend: str = "replicated", fsdp_cpu_offload: bool = False,
+                 fsdp_reshard_after_forward: bool = True) -> None:
+        if backend not in ("replicated", "fsdp2"):
+            raise ValueError(f"LearnerCore runs backend replicated or fsdp2, not {backend!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if minibatches < 1:
@@ -226,8 +111,14 @@ class LearnerCore:
             torch.set_default_device(device)
         self.model = build_policy(model_config, seed=seed)
         self.config = self.model.cfg
+        self.device = device
         self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
                                        "weight_decay": weight_decay}
+        # fsdp2: the model is sharded, and the optimizer remade over the shards, lazily at
+        # the first collective call (erlay.actors.learner.fsdp); until then it is whole.
+        self._fsdp = Fsdp2Plan(rank=rank, cpu_offload=fsdp_cpu_offload,
+                               reshard_after_forward=fsdp_reshard_after_forward) \
+            if backend == "fsdp2" else None
         self.optimizer = torch.optim.AdamW(self._trainable(), **self._hyper)
         self.reference = self._frozen_copy() if kl_coef > 0 else None
         self.max_grad_norm, self.clip_eps, self.is_cap = max_grad_norm, clip_eps, is_cap
@@ -268,15 +159,16 @@ class LearnerCore:
     def versioned_weights(self) -> tuple[int, dict[str, np.ndarray]]:
         """The current version and its weights, read together (no step runs in between)."""
         with self._lock:
-            return self._version, publish_state(self.model)
+            return self._version, publish_state(self._serving_model())
 
     def evaluate_logprobs(self, prompts: list[list[int]],
                           completions: list[list[int]]) -> list[list[float]]:
         """Per-token logprobs of each completion under the current weights."""
         if not completions:
             return []
-        with self._lock, torch.no_grad():
-            logp, _ = sequence_logprobs(self.model, prompts, completions)
+        model = self._serving_model()
+        with self._lock, torch.no_grad(), torch.device(next(model.parameters()).device):
+            logp, _ = sequence_logprobs(model, prompts, completions)
         return [logp[i, :len(c)].tolist() for i, c in enumerate(completions)]
 
     # ------------------------------------------------------------------------- updates
@@ -302,6 +194,7 @@ class LearnerCore:
             return {"stale_step": True, "learner_step": self._step, "version": self._version}
         tb = batch if isinstance(batch, TrainBatch) else TrainBatch.from_dict(batch)
         with self._lock, self.progress.working("train_step", work=f"step {self._step + 1}"):
+            self._ready()
             started, start_version = time.perf_counter(), self._version
             lr = rl_learning_rate(self._hyper["lr"], self._step, self.lr_decay_steps,
                                   self.lr_min_ratio)
@@ -332,6 +225,7 @@ class LearnerCore:
                 self.progress.tick()
             self._step += 1
             self._version += 1
+            self._updated()
             groups = rewards.view(-1, tb.group_size)
             flat = (groups.max(dim=1).values == groups.min(dim=1).values).float()
             metrics = {
@@ -367,9 +261,10 @@ class LearnerCore:
         losses: list[float] = []
         tokens = 0
         rl_lr = self._hyper["lr"]
-        for group in self.optimizer.param_groups:
-            group["lr"] = rl_lr if lr is None else lr
         with self._lock, self.progress.working("sft", work=f"{steps} steps"):
+            self._ready()
+            for group in self.optimizer.param_groups:
+                group["lr"] = rl_lr if lr is None else lr
             for s in range(steps):
                 batch = [(s * batch_size + j) % len(prompts) for j in range(batch_size)]
                 mine = shard(batch, self.world_size, self.rank)
@@ -388,14 +283,19 @@ class LearnerCore:
                 n_global, total = self._all_sum([float(n_local), loss_sum])
                 if loss is not None:
                     (loss * (self.world_size / n_global)).backward()
+                elif self._fsdp is not None:
+                    self._idle_pass([prompts[batch[0]]], [targets[batch[0]]])
                 self._apply_gradients(int(n_global))
                 losses.append(total / max(n_global, 1.0))
                 tokens += int(n_global)
                 self.progress.tick()
             self._version += 1
             self._warm_started = True
-            if self.reference is not None:
+            if self._fsdp is not None and self.reference is not None:
+                self._fsdp.copy_shards(self.model, self.reference)
+            elif self.reference is not None:
                 self.reference = self._frozen_copy()
+            self._updated()
         for group in self.optimizer.param_groups:
             group["lr"] = rl_lr
         points = sorted({round(k * (steps - 1) / 10) for k in range(11)})
@@ -408,7 +308,8 @@ class LearnerCore:
     # ---------------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
         """Everything needed to resume exactly, as picklable CPU objects (copies, not views
-        of the live state)."""
+        of the live state).  fsdp2: a collective that every rank calls; rank 0 gets the whole
+        model and optimizer state (name-keyed), other ranks an empty ``model``."""
         with self._lock:
             return self._state_locked(copied=True)
 
@@ -418,14 +319,24 @@ class LearnerCore:
         stages them into its own buffer), so the host copy is made once, not twice."""
         def tensors(sd: dict[str, Any]) -> dict[str, Any]:
             return {k: v.detach().clone() if copied else v.detach() for k, v in sd.items()}
-        optimizer = self.optimizer.state_dict()
+        if self._fsdp is not None:   # gathered to rank 0's host: already copies
+            self._ready()
+            model, reference, optimizer = self._fsdp.full_state(self.model, self.reference,
+                                                                self.optimizer)
+            layout = {"optimizer_layout": FQN_LAYOUT}
+        else:
+            optimizer = self.optimizer.state_dict()
+            optimizer = copy.deepcopy(optimizer) if copied else optimizer
+            model = tensors(self.model.state_dict())
+            reference = None if self.reference is None else tensors(self.reference.state_dict())
+            layout = {}
         return {
             "format": STATE_FORMAT,
             "model_config": shape_of(self.model),
-            "model": tensors(self.model.state_dict()),
-            "reference": None if self.reference is None else
-            tensors(self.reference.state_dict()),
-            "optimizer": copy.deepcopy(optimizer) if copied else optimizer,
+            "model": model,
+            "reference": reference,
+            "optimizer": optimizer,
+            **layout,
             "step": self._step,
             "version": self._version,
             "warm_started": self._warm_started,
@@ -437,7 +348,10 @@ class LearnerCore:
 
         The model config must match; hyperparameters (lr, clipping) stay this learner's own,
         so a resumed job may change them.  A saved reference policy is restored only when
-        this learner uses one (``kl_coef > 0``).
+        this learner uses one (``kl_coef > 0``).  The optimizer state may be keyed by index or
+        by parameter name (an fsdp2 checkpoint), whichever backend loads it.  fsdp2: before
+        the model is sharded every rank loads alone (the optimizer state waits for the
+        sharded optimizer); after, it is a collective that every rank calls.
         """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"learner state format {state.get('format')!r}, "
@@ -447,13 +361,22 @@ class LearnerCore:
         if {**mine, **state["model_config"]} != mine:
             raise ValueError(f"checkpoint model config {state['model_config']} does not match "
                              f"this learner's {mine}")
+        names = trainable_names(self.model)
+        by_name = state.get("optimizer_layout") == FQN_LAYOUT
         with self._lock:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+            if self._fsdp is not None:
+                self._fsdp.load(self.model, self.reference, self.optimizer, state["model"],
+                                state["reference"] or state["model"], state["optimizer"]
+                                if by_name else optimizer_by_name(state["optimizer"], names))
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(copy.deepcopy(
+                    optimizer_by_index(state["optimizer"], names) if by_name
+                    else state["optimizer"]))
+                if self.reference is not None:
+                    self.reference.load_state_dict(state["reference"] or state["model"])
             for group in self.optimizer.param_groups:  # loading restored the saved ones
                 group.update(self._hyper)
-            if self.reference is not None:
-                self.reference.load_state_dict(state["reference"] or state["model"])
             self._step, self._version = int(state["step"]), int(state["version"])
             self._warm_started = bool(state.get("warm_started", True))
             torch.set_rng_state(state["rng"]["torch"])
@@ -472,6 +395,37 @@ class LearnerCore:
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def _ready(self) -> None:
+        """fsdp2: shard the model at the first call every rank makes together (collective;
+        erlay.actors.learner.fsdp).  Nothing for a replicated learner."""
+        if self._fsdp is None or self._fsdp.sharded:
+            return
+        self._ensure_group()
+        self.optimizer = self._fsdp.shard(
+            self.model, self.reference, self.device,
+            lambda params: torch.optim.AdamW(params, **self._hyper))
+        for group in self.optimizer.param_groups:  # a loaded state brought its own
+            group.update(self._hyper)
+
+    def _updated(self) -> None:
+        """After an update: fsdp2 gathers the new weights for rank 0 to serve (collective)."""
+        if self._fsdp is not None:
+            self._fsdp.refresh_host(self.model)
+
+    def _serving_model(self) -> Policy:
+        """The model this rank reads alone to publish or score (fsdp2: rank 0's host copy)."""
+        return self.model if self._fsdp is None else self._fsdp.serving_model(self.model)
+
+    def _idle_pass(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
+        """fsdp2, a rank with nothing to train on: the forward and backward passes its peers
+        run (they are collectives), with a zero loss, so its gradient adds nothing."""
+        logp, _ = sequence_logprobs(self.model, prompts, completions, self.temperature)
+        loss = logp.sum() * 0.0
+        if self.mtp_loss_weight:
+            extra, _ = self._mtp_term(prompts, completions)
+            loss = loss + extra * 0.0
+        loss.backward()
+
     def _frozen_copy(self) -> Policy:
         ref = copy.deepcopy(self.model)
         ref.requires_grad_(False)
@@ -480,11 +434,14 @@ class LearnerCore:
     def _fixed_logprobs(self, tb: TrainBatch, chunk: list[int], *, with_prox: bool
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Proximal (if ``with_prox``) and, with a KL term, reference logprobs for one
-        minibatch, with no gradient.  Nothing for a minibatch with no trained tokens."""
-        if not any(any(tb.token_mask(i)) for i in chunk):
+        minibatch, with no gradient.  Nothing for a minibatch with no trained tokens (fsdp2
+        still runs the forwards, on row 0 for an empty chunk: they are collectives)."""
+        trained = any(any(tb.token_mask(i)) for i in chunk)
+        if not trained and self._fsdp is None:
             return None, None
-        prompts = [tb.prompt_ids[i] for i in chunk]
-        completions = [tb.completion_ids[i] for i in chunk]
+        rows = chunk or [0]
+        prompts = [tb.prompt_ids[i] for i in rows]
+        completions = [tb.completion_ids[i] for i in rows]
         prox = ref = None
         with torch.no_grad():
             if with_prox:
@@ -492,7 +449,7 @@ class LearnerCore:
             if self.reference is not None:
                 ref, _ = sequence_logprobs(self.reference, prompts, completions,
                                            self.temperature)
-        return prox, ref
+        return (prox, ref) if trained else (None, None)
 
     def _minibatch(self, tb: TrainBatch, chunk: list[int], advantages: torch.Tensor,
                    prox: torch.Tensor | None, ref: torch.Tensor | None
@@ -508,6 +465,10 @@ class LearnerCore:
             loss, stats = self._chunk_loss(tb, chunk, advantages, prox, ref)
             # Each rank's token mean, rescaled so the rank average is the global token mean.
             (loss * (n_local * self.world_size / n_global)).backward()
+        elif self._fsdp is not None and n_global:
+            rows = chunk or [0]
+            self._idle_pass([tb.prompt_ids[i] for i in rows],
+                            [tb.completion_ids[i] for i in rows])
         return n_local, int(n_global), stats, self._apply_gradients(int(n_global))
 
     def _chunk_loss(self, tb: TrainBatch, chunk: list[int], advantages: torch.Tensor,
@@ -559,7 +520,7 @@ class LearnerCore:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        if self.world_size > 1:
+        if self.world_size > 1 and self._fsdp is None:   # fsdp2 reduced them in backward
             self._ensure_group()
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
@@ -573,10 +534,9 @@ class LearnerCore:
         # scale the policy's step, and the heads must not change what RL trains.
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         heads = [p for n, p in named if n.startswith("mtp.")]
-        norm = float(torch.nn.utils.clip_grad_norm_(
-            [p for n, p in named if not n.startswith("mtp.")], limit))
+        norm = clip_global([p for n, p in named if not n.startswith("mtp.")], limit)
         if heads:
-            torch.nn.utils.clip_grad_norm_(heads, limit)
+            clip_global(heads, limit)
         if not math.isfinite(norm):
             log.warning("learner rank %d: gradient norm %s, optimiser step skipped", self.rank,
                         norm)
@@ -606,8 +566,11 @@ class LearnerCore:
             # every rank on this machine, keep the traffic on loopback like the rest of a
             # local erlay job.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size,
+        # fsdp2 on GPUs gathers and reduce-scatters CUDA tensors: NCCL; gloo for the rest.
+        backend = "cpu:gloo,cuda:nccl" if self._fsdp is not None and \
+            self.device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.dist_timeout_s))
         self._group_ready = True
-        log.info("learner rank %d joined a gloo group of %d at %s:%d", self.rank,
+        log.info("learner rank %d joined a %s group of %d at %s:%d", self.rank, backend,
                  self.world_size, self.master_addr, self.master_port)

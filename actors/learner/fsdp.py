@@ -1,0 +1,277 @@
+"""``learner.backend: fsdp2``: the policy sharded over the learner's ranks with FSDP2
+(``torch.distributed.fsdp.fully_shard``), and what that changes in a learner rank.
+
+:class:`Fsdp2Plan` is held by :class:`~erlay.actors.learner.core.LearnerCore` when its backend
+is ``fsdp2``; the core calls it at a few fixed points.  Contracts:
+
+- **Lazy sharding.** Every rank builds the whole model from the same seed (and loads the same
+  checkpoint, if any) in its constructor, without collectives: the supervisor starts the
+  ranks one at a time, so a constructor that waited for its peers would deadlock the start.
+  :meth:`Fsdp2Plan.shard` runs at the first call that every rank makes together (a train
+  step, an SFT warm start, a checkpoint save, a state read): ``fully_shard`` on each
+  transformer block (:func:`decoder_layers`), then on the root, and a new AdamW over the
+  sharded (DTensor) parameters.  An optimizer state loaded before that waits and is applied
+  to the new optimizer, resharded to this rank count.
+- **Gradients.** FSDP reduce-scatters each block's gradients in backward and averages them
+  over ranks: the core's manual all-reduce is skipped, and its loss scaling (each rank's
+  token sum over the global token count, times the rank count) makes that average the
+  token mean over the whole batch, as one learner would take.  Clipping uses the global norm
+  over the DTensor shards (:func:`clip_global`).
+- **Uniform collectives.** Every forward pass gathers parameters (a collective), so every
+  rank runs the same forwards and backwards in the same order, even with nothing to train
+  on: such a rank runs an idle pass whose loss is zero (the core's ``_idle_pass``).
+- **Publishing.** At the end of every update (and of a state load) every rank joins the
+  gather of the full weights (:meth:`Fsdp2Plan.refresh_host`); rank 0 keeps them in a host
+  copy of the model, which serves ``publish``, ``versioned_weights`` and
+  ``evaluate_logprobs`` on rank 0 alone without any collective.  Other ranks refuse those.
+- **Checkpoints** (the full-state fallback; docs/scaling.md): a save gathers the optimizer
+  state (a collective: every rank calls ``save_checkpoint``) to rank 0's host, which writes
+  it with the model weights from its host copy through the same asynchronous checkpointer as
+  the replicated learner.  The optimizer state is keyed by parameter name
+  (``optimizer_layout: fqn``), so a checkpoint moves between rank counts and between the
+  replicated and fsdp2 backends (:func:`optimizer_by_name`, :func:`optimizer_by_index`).
+
+May import: erlay.actors.model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import distributed as dist
+from torch import nn
+
+log = logging.getLogger("erlay.learner")
+
+FQN_LAYOUT = "fqn"   # optimizer state keyed by parameter name (torch.distributed.checkpoint's)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks that each get their own FSDP unit.
+
+    An HF policy's decoder stack (``model.layers``, ``transformer.h``, ..., found through
+    :attr:`~erlay.actors.model.hf.HFPolicy.backbone`, which looks through a LoRA wrapper), or
+    the built-in model's ``blocks``.  Raises ValueError for a model with neither."""
+    stack = getattr(model, "backbone", None) if hasattr(model, "lm") else model
+    for name in ("layers", "h", "blocks", "block"):
+        found = getattr(stack, name, None)
+        if isinstance(found, nn.ModuleList) and len(found):
+            return list(found)
+    raise ValueError(f"fsdp2: no transformer blocks found in {type(model).__name__} (looked "
+                     f"for layers, h, blocks on its decoder stack)")
+
+
+def shard_module(model: nn.Module, mesh: Any, *, cpu_offload: bool,
+                 reshard_after_forward: bool) -> None:
+    """``fully_shard`` each block of ``model``, then the root (embeddings, final norm, head,
+    MTP heads), in place.  ``hidden`` becomes an FSDP forward method too, because the MTP
+    loss calls it directly rather than through ``forward``."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    offload_policy=offload)
+    # The root keeps its parameters gathered after forward (FSDP's own default for a root):
+    # they are needed again at once in backward, and ``forward`` calls ``hidden``, also an
+    # FSDP forward method, whose end must not reshard the head that ``forward`` then uses.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=offload)
+    if hasattr(model, "hidden"):
+        register_fsdp_forward_method(model, "hidden")
+
+
+def clip_global(params: list[nn.Parameter], limit: float) -> float:
+    """``clip_grad_norm_`` over ``params``; returns the pre-clip norm over every rank's shards
+    (a DTensor norm is reduced over the mesh, so all ranks return the same number)."""
+    from torch.distributed.tensor import DTensor
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights as host tensors on rank 0 (an empty dict elsewhere).
+    Collective: every rank calls it at the same point."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> dict[str, Any]:
+    """The whole optimizer state, keyed by parameter name, as host tensors on rank 0 (empty
+    elsewhere).  Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load a name-keyed whole optimizer state (every rank holds it) into a sharded
+    optimizer: each rank keeps its own shards.  Every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, copy.deepcopy(state),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load whole weights (every rank holds them) into a sharded model.  Every rank calls
+    it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """The names of the trainable parameters, in the order the optimizer holds them."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def optimizer_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A ``torch.optim`` state dict keyed by parameter index -> keyed by ``names[index]``
+    (the layout :func:`full_optimizer_state` gives).  Pure."""
+    return {"state": {names[int(i)]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]}
+                             for g in state["param_groups"]]}
+
+
+def optimizer_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`optimizer_by_name`: name keys -> indices into ``names``.
+    Raises ValueError naming a parameter this model does not have.  Pure."""
+    index = {n: i for i, n in enumerate(names)}
+    missing = [n for g in state["param_groups"] for n in g["params"] if n not in index]
+    if missing:
+        raise ValueError(f"the checkpoint's optimizer names parameters this model does not "
+                         f"train: {missing[:3]}")
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                             for g in state["param_groups"]]}
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state, counting a
+    DTensor by its local shard (``to_local()``)."""
+    from torch.distributed.tensor import DTensor
+
+    def size(t: Any) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+    params = list(model.parameters())
+    return {"param_bytes": sum(size(p) for p in params),
+            "grad_bytes": sum(size(p.grad) for p in params if p.grad is not None),
+            "optim_bytes": sum(size(v) for st in optimizer.state.values()
+                               for v in st.values() if isinstance(v, torch.Tensor)
+                               and v.dim() > 0)}
+
+
+class Fsdp2Plan:
+    """One rank's FSDP2 state: whether the model is sharded yet, rank 0's host copy of the
+    full weights, and an optimizer state waiting for the sharded optimizer (module
+    docstring)."""
+
+    def __init__(self, *, rank: int, cpu_offload: bool = False,
+                 reshard_after_forward: bool = True) -> None:
+        self.rank = rank
+        self.cpu_offload, self.reshard_after_forward = cpu_offload, reshard_after_forward
+        self.sharded = False
+        self.host: nn.Module | None = None
+        self.pending_optimizer: dict[str, Any] | None = None
+
+    def shard(self, model: nn.Module, reference: nn.Module | None, device: str,
+              make_optimizer: Any) -> torch.optim.Optimizer:
+        """Shard ``model`` (and the frozen ``reference``) over the default process group,
+        which must exist; returns the new optimizer, ``make_optimizer(params)``, with any
+        pending state loaded.  Every rank calls it at the same point."""
+        from torch.distributed.device_mesh import init_device_mesh
+        if self.rank == 0:
+            # The full weights before sharding: rank 0 serves them until the first update.
+            self.host = _host_copy(model)
+        mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+        shard_module(model, mesh, cpu_offload=self.cpu_offload,
+                     reshard_after_forward=self.reshard_after_forward)
+        if reference is not None:
+            shard_module(reference, mesh, cpu_offload=self.cpu_offload,
+                         reshard_after_forward=True)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        if self.pending_optimizer is not None:
+            load_full_optimizer_state(model, optimizer, self.pending_optimizer)
+            self.pending_optimizer = None
+        self.sharded = True
+        log.info("learner rank %d: fsdp2 sharded %d blocks over %d ranks (cpu_offload %s)",
+                 self.rank, len(decoder_layers(model)), dist.get_world_size(),
+                 self.cpu_offload)
+        return optimizer
+
+    def full_state(self, model: nn.Module, reference: nn.Module | None,
+                   optimizer: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+        """``(model, reference, optimizer)`` state, whole, as host copies on rank 0 (the
+        model's from the host copy, current after every update; the optimizer's name-keyed).
+        Collective (the optimizer and reference gathers): every rank calls it."""
+        ref = None if reference is None else full_model_state(reference)
+        optim = full_optimizer_state(model, optimizer)
+        weights = {} if self.host is None else {k: v.detach().clone() for k, v in
+                                                self.host.state_dict().items()}
+        return weights, ref, optim
+
+    def load(self, model: nn.Module, reference: nn.Module | None,
+             optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+             reference_weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
+        """Load whole state (every rank holds it; the optimizer's name-keyed).  Before
+        sharding: into the whole model, each rank alone, the optimizer's kept for
+        :meth:`shard`.  After: a collective that every rank calls."""
+        if not self.sharded:
+            model.load_state_dict(weights)
+            if reference is not None:
+                reference.load_state_dict(reference_weights)
+            self.pending_optimizer = optim
+            return
+        load_full_model_state(model, weights)
+        if reference is not None:
+            load_full_model_state(reference, reference_weights)
+        load_full_optimizer_state(model, optimizer, optim)
+        self.refresh_host(model)
+
+    def refresh_host(self, model: nn.Module) -> None:
+        """Gather the full weights into rank 0's host copy.  Collective."""
+        state = full_model_state(model)
+        if self.host is not None:
+            self.host.load_state_dict(state)
+
+    def serving_model(self, model: nn.Module) -> nn.Module:
+        """The module whose weights this rank may read alone: the model itself before
+        sharding, rank 0's host copy after.  Raises RuntimeError on other ranks."""
+        if not self.sharded:
+            return model
+        if self.host is None:
+            raise RuntimeError(f"learner rank {self.rank} holds a shard of the fsdp2 model; "
+                               f"rank 0 serves its weights")
+        return self.host
+
+    @staticmethod
+    def copy_shards(source: nn.Module, target: nn.Module) -> None:
+        """Make ``target`` (sharded the same way) hold ``source``'s weights: a local copy of
+        each shard, no collective."""
+        from torch.distributed.tensor import DTensor
+        with torch.no_grad():
+            for s, t in zip(source.parameters(), target.parameters(), strict=True):
+                (t.to_local() if isinstance(t, DTensor) else t).copy_(
+                    s.to_local() if isinstance(s, DTensor) else s)
+
+
+def _host_copy(model: nn.Module) -> nn.Module:
+    host = copy.deepcopy(model).to("cpu")
+    host.requires_grad_(False)
+    return host

@@ -1,0 +1,166 @@
+"""The fsdp2 equivalence check: ranks that shard the policy with FSDP2 take the same optimizer
+step as one whole (replicated, single-rank) learner on the same batch.
+
+:func:`run_parity` trains one whole learner and ``world`` fsdp2 ranks (each its own process,
+a gloo group on loopback; :func:`spawn_ranks`) from the same seed on the same batch, then
+compares every published parameter: ``equivalent`` is ``max_abs_diff <= tolerance``.  It
+also reports the bytes each rank holds after the step
+(:func:`erlay.actors.learner.fsdp.local_bytes`).  ``perturb`` plants a violation: the last
+rank adds it to every parameter before the step, as a rank that drifted from its peers
+would, so the check must then fail.  Used by the tests and by ``bench/learner_scale.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from erlay.actors.learner.core import LearnerCore, TrainBatch
+from erlay.actors.learner.fsdp import local_bytes
+
+TOLERANCE = 1e-5
+
+
+def parity_batch(vocab_size: int, *, groups: int = 2, group_size: int = 2, seed: int = 0,
+                 idle_rows: tuple[int, ...] = ()) -> TrainBatch:
+    """A deterministic GRPO batch of random tokens: ``groups`` groups of ``group_size``
+    completions, rewards that differ within each group (non-zero advantages), fixed
+    behaviour logprobs.  Rows in ``idle_rows`` train no token (their loss mask is off)."""
+    rng = random.Random(seed)
+    n = groups * group_size
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(4 + i % 3)] for i in range(n)]
+    completions = [[rng.randrange(3, vocab_size) for _ in range(3 + i % 4)] for i in range(n)]
+    return TrainBatch(prompt_ids=prompts, completion_ids=completions,
+                      behaviour_logprobs=[[-3.0] * len(c) for c in completions],
+                      versions=[[0] * len(c) for c in completions],
+                      rewards=[float(i % group_size) for i in range(n)],
+                      group_size=group_size, rollout_ids=[f"r{i}" for i in range(n)],
+                      loss_mask=[[i not in idle_rows] * len(c)
+                                 for i, c in enumerate(completions)])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, target: Any, args: tuple) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    result = target(rank, world, port, *args)
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def spawn_ranks(world: int, target: Any, *args: Any) -> list[Any]:
+    """Run ``target(rank, world, port, *args)`` in ``world`` fresh processes that can form a
+    gloo group on loopback at ``port``; returns each rank's result (picklable), by rank.
+    A rank that fails raises here (torch.multiprocessing's ProcessRaisedException)."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_rank_main, args=(world, free_port(), out, target, args), nprocs=world,
+                 join=True)
+        return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def _learner(spec: dict[str, Any], rank: int, world: int, port: int, backend: str,
+             options: dict[str, Any]) -> LearnerCore:
+    return LearnerCore(spec, rank=rank, world_size=world, master_port=port, backend=backend,
+                       **options)
+
+
+def fsdp_rank_step(rank: int, world: int, port: int, spec: dict[str, Any],
+                   batch: TrainBatch, options: dict[str, Any], perturb: float
+                   ) -> dict[str, Any]:
+    """One fsdp2 rank: one train step on ``batch``; rank 0 returns the published weights.
+    Every rank returns its bytes after the step."""
+    core = _learner(spec, rank, world, port, "fsdp2", options)
+    if perturb and rank == world - 1:
+        with torch.no_grad():
+            for p in core.model.parameters():
+                p.add_(perturb)
+    metrics = core.train_step(batch)
+    out = {"bytes": local_bytes(core.model, core.optimizer), "grad_norm": metrics["grad_norm"],
+           "weights": core.weights() if rank == 0 else None}
+    core.close()
+    return out
+
+
+def fsdp_rank_resume(rank: int, world: int, port: int, spec: dict[str, Any],
+                     batches: list[TrainBatch], options: dict[str, Any], port2: int,
+                     checkpoint: str) -> dict[str, Any]:
+    """The restart path: ranks train ``batches[0]``, rank 0 writes :meth:`LearnerCore.state`
+    (a collective) to the file ``checkpoint``, ranks train ``batches[1]``; then a new
+    incarnation (a new group at ``port2``) loads that file before it shards, as a restarted
+    rank does in its constructor, is asked for step 2 (it must answer ``stale_step``), and
+    trains ``batches[1]`` again.  Rank 0 returns both incarnations' weights after the second
+    step; every rank says whether it refused to serve weights (all but rank 0 must)."""
+    import torch.distributed as dist
+    first = _learner(spec, rank, world, port, "fsdp2", options)
+    first.train_step(batches[0], expected_step=0)
+    state = first.state()
+    if rank == 0:
+        Path(checkpoint).write_bytes(pickle.dumps(state))
+    dist.barrier()   # the file is whole before any rank reads it
+    first.train_step(batches[1], expected_step=1)
+    weights = first.weights() if rank == 0 else None
+    try:
+        first.weights()
+        refused = False
+    except RuntimeError:
+        refused = True
+    first.close()
+    second = _learner(spec, rank, world, port2, "fsdp2", options)
+    second.load_state(pickle.loads(Path(checkpoint).read_bytes()))
+    stale = second.train_step(batches[1], expected_step=2)
+    second.train_step(batches[1], expected_step=1)
+    out = {"weights": weights, "resumed": second.weights() if rank == 0 else None,
+           "refused": refused, "stale": bool(stale.get("stale_step"))}
+    second.close()
+    return out
+
+
+def whole_step(spec: dict[str, Any], batch: TrainBatch, options: dict[str, Any]
+               ) -> tuple[dict[str, np.ndarray], float]:
+    """The reference: one replicated single-rank learner's weights after the same step, and
+    its gradient norm."""
+    core = LearnerCore(spec, **options)
+    metrics = core.train_step(batch)
+    return core.weights(), float(metrics["grad_norm"])
+
+
+def max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """The largest absolute difference over every parameter (inf if the names differ)."""
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a)
+
+
+def run_parity(spec: dict[str, Any], *, world: int = 2, batch: TrainBatch | None = None,
+               options: dict[str, Any] | None = None, perturb: float = 0.0,
+               tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """The equivalence check (module docstring).  ``options`` are LearnerCore keywords shared
+    by both sides (seed, lr, max_grad_norm, ...).  Returns ``{max_abs_diff, equivalent,
+    grad_norm: {whole, fsdp2}, bytes: [per rank]}``."""
+    options = {"lr": 1e-2, "max_grad_norm": 1.0, **(options or {})}
+    batch = batch or parity_batch(vocab_of(spec))
+    whole, whole_norm = whole_step(spec, batch, options)
+    ranks = spawn_ranks(world, fsdp_rank_step, spec, batch, options, perturb)
+    diff = max_abs_diff(whole, ranks[0]["weights"])
+    return {"max_abs_diff": diff, "equivalent": diff <= tolerance,
+            "grad_norm": {"whole": whole_norm, "fsdp2": ranks[0]["grad_norm"]},
+            "bytes": [r["bytes"] for r in ranks]}
+
+
+def vocab_of(spec: dict[str, Any]) -> int:
+    if spec.get("hf"):
+        from erlay.actors.model.hf import load_hf_config, resolve_model
+        return int(load_hf_config(resolve_model(spec["hf"])).vocab_size)
+    return int(spec["vocab_size"])

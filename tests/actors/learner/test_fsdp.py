@@ -1,0 +1,118 @@
+"""``learner.backend: fsdp2``: two ranks sharding a tiny HF model (each its own process, a gloo
+group on loopback, no Ray) take the step one whole learner takes, serve weights from rank 0
+only, and resume from a checkpoint on a different rank count and backend."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from erlay.actors.learner.core import LearnerCore
+from erlay.actors.learner.fsdp import (
+    decoder_layers,
+    optimizer_by_index,
+    optimizer_by_name,
+    trainable_names,
+)
+from erlay.actors.learner.fsdp_parity import (
+    TOLERANCE,
+    free_port,
+    fsdp_rank_resume,
+    max_abs_diff,
+    parity_batch,
+    run_parity,
+    spawn_ranks,
+    vocab_of,
+)
+from erlay.actors.model.tiny import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    path = write_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", hidden=64, layers=2,
+                            heads=4, ffn=128, max_positions=64)
+    return {"hf": str(path), "dtype": "float32"}
+
+
+def test_two_fsdp2_ranks_take_the_step_one_whole_learner_takes(spec: dict[str, Any]) -> None:
+    # max_grad_norm well under the gradient's norm: the clip (over DTensor shards) acts.
+    result = run_parity(spec, options={"max_grad_norm": 0.05})
+    assert result["grad_norm"]["whole"] > 0.05
+    assert result["grad_norm"]["fsdp2"] == pytest.approx(result["grad_norm"]["whole"],
+                                                         rel=1e-5)
+    assert result["max_abs_diff"] <= TOLERANCE, result["max_abs_diff"]
+    assert result["equivalent"]
+
+
+def test_the_equivalence_check_flags_a_planted_difference() -> None:
+    a = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.ones(2, dtype=np.float32)}
+    b = {k: v.copy() for k, v in a.items()}
+    assert max_abs_diff(a, b) == 0.0
+    b["w"][2, 1] += 2 * TOLERANCE
+    assert max_abs_diff(a, b) > TOLERANCE
+    assert max_abs_diff(a, {"w": a["w"]}) == float("inf")
+
+
+def test_fsdp2_restart_resumes_the_same_timeline_on_two_ranks_and_on_one(
+        spec: dict[str, Any], tmp_path: Path) -> None:
+    """The restart path of one_for_all: the new incarnation loads the last checkpoint before
+    it shards, refuses a step past its checkpoint (the coordinator then feeds the steps
+    since it again), and retrains them to the same weights.  The second batch leaves rank 1
+    nothing to train on, so it runs the idle pass; a whole learner restored from the same
+    checkpoint takes the same step."""
+    vocab = vocab_of(spec)
+    options = {"lr": 1e-2, "max_grad_norm": 1.0}
+    batches = [parity_batch(vocab, seed=1), parity_batch(vocab, seed=2, idle_rows=(2, 3))]
+    checkpoint = tmp_path / "state.pkl"
+    ranks = spawn_ranks(2, fsdp_rank_resume, spec, batches, options, free_port(),
+                        str(checkpoint))
+    assert [r["refused"] for r in ranks] == [False, True]
+    assert all(r["stale"] for r in ranks)
+    before, resumed = ranks[0]["weights"], ranks[0]["resumed"]
+    assert max_abs_diff(before, resumed) <= 1e-6
+    state = pickle.loads(checkpoint.read_bytes())
+    assert state["optimizer_layout"] == "fqn" and state["step"] == 1
+    whole = LearnerCore(spec, **options)
+    whole.load_state(state)            # an fsdp2 checkpoint, loaded by a replicated learner
+    whole.train_step(batches[1], expected_step=1)
+    assert max_abs_diff(before, whole.weights()) <= TOLERANCE
+    fresh = LearnerCore(spec, **options)   # planted: no restore, the check must fail
+    fresh.train_step(batches[1])
+    assert max_abs_diff(before, fresh.weights()) > TOLERANCE
+
+
+def test_optimizer_state_moves_between_index_and_name_keys() -> None:
+    names = ["a.weight", "b.weight", "c.bias"]
+    by_index = {"state": {0: {"step": torch.tensor(1.0)}, 2: {"step": torch.tensor(2.0)}},
+                "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}
+    by_name = optimizer_by_name(by_index, names)
+    assert set(by_name["state"]) == {"a.weight", "c.bias"}
+    assert by_name["param_groups"][0]["params"] == names
+    assert optimizer_by_index(by_name, names) == by_index
+    with pytest.raises(ValueError, match="does not train"):
+        optimizer_by_index(by_name, names[:2])
+
+
+def test_decoder_layers_are_the_blocks_of_hf_lora_and_builtin_models(
+        spec: dict[str, Any]) -> None:
+    from erlay.actors.model.build import build_policy
+    hf = build_policy(spec)
+    assert decoder_layers(hf) == list(hf.backbone.layers) and len(decoder_layers(hf)) == 2
+    lora = build_policy({**spec, "lora": {"r": 2}})
+    assert len(decoder_layers(lora)) == 2
+    assert trainable_names(lora) and all("lora_" in n for n in trainable_names(lora))
+    builtin = build_policy({"vocab_size": 16, "d_model": 16, "n_layers": 3, "n_heads": 2,
+                            "d_ff": 32, "max_seq_len": 16})
+    assert len(decoder_layers(builtin)) == 3
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_an_unknown_backend_is_refused(spec: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="megatron"):
+        LearnerCore(spec, backend="megatron")
