@@ -16,10 +16,13 @@ so the command exits 2 having started nothing:
 - ``data.train`` / ``data.validation`` (:mod:`erlay.actors.data`): a missing file or uncached
   hub id, a missing column, a bad row (named by file and 1-based row), an empty dataset, an
   environment class that takes no ``rows``; with a dataset every row's prompt is checked
-  against the sequence limit (up to :data:`ROWS_CHECKED` rows), not only the first episodes.
+  against the sequence limit (up to :data:`ROWS_CHECKED` rows), not only the first episodes;
+- ``learner.backend`` fsdp2 / megatron on a model or machine it cannot run on
+  (:mod:`erlay.actors.job.preflight_learner`).
 
 May import: erlay.supervisor, erlay.environments, erlay.judges, erlay.actors.config,
-erlay.actors.model, erlay.actors.job.modelplan, erlay.actors.data.
+erlay.actors.model, erlay.actors.job.modelplan, erlay.actors.job.preflight_learner,
+erlay.actors.data.
 """
 
 from __future__ import annotations
@@ -163,11 +166,25 @@ def check_data(cfg: JobConfig, plan: ModelPlan, rows: list[dict[str, Any]],
     return env, val_env
 
 
+def check_backend(cfg: JobConfig, plan: ModelPlan) -> None:
+    """``learner.backend`` against the model and this machine (preflight_learner)."""
+    if cfg.learner.backend == "replicated":
+        return
+    from erlay.actors.job.preflight_learner import check_learner_backend
+    from erlay.actors.model.hf import load_hf_config
+    hf_config = None
+    if plan.is_hf:
+        from pathlib import Path
+        hf_config = load_hf_config(Path(plan.spec["hf"]), cfg.model.trust_remote_code)
+    check_learner_backend(cfg, hf_config)
+
+
 def preflight(cfg: JobConfig, plan: ModelPlan | None = None) -> Any:
     """Run every check; return the built environment (the job reuses it)."""
     # The dataset first: a bad row is the commonest mistake, and finding it needs no model.
     data = load_data(cfg) if cfg.data.train is not None else None
     plan = plan or plan_model(cfg)   # the model and tokenizer first: the prompts need them
+    check_backend(cfg, plan)
     check_judge_class(cfg.judge.cls, dict(cfg.judge.kwargs))
     if data is not None:
         return check_data(cfg, plan, *data)[0]

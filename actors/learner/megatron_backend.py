@@ -60,8 +60,6 @@ import torch
 from torch import distributed as dist
 
 from erlay.actors.learner.core import (
-    _TOKEN_WEIGHTED,
-    LOOPBACK,
     TrainBatch,
     pad_rows,
     rl_learning_rate,
@@ -85,6 +83,10 @@ from erlay.supervisor.progress import Progress
 log = logging.getLogger("erlay.learner")
 
 STATE_FORMAT = "megatron-1"
+LOOPBACK = "127.0.0.1"
+# Loss statistics averaged over minibatches, weighted by their token counts (as LearnerCore).
+_TOKEN_WEIGHTED = ("loss", "clip_fraction", "is_weight_mean", "is_weight_max_hit_fraction",
+                   "kl", "ratio_mean", "approx_kl")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
