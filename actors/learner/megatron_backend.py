@@ -204,7 +204,12 @@ class MegatronLearner:
                  checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
                  ledger_path: str | None = None, init_model_dir: str | None = None,
                  tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 data_parallel: int | None = None) -> None:
+                 data_parallel: int | None = None, backend: str = "megatron",
+                 fsdp_cpu_offload: bool = False, fsdp_reshard_after_forward: bool = True
+                 ) -> None:
+        # backend and fsdp_*: the keywords the driver gives every learner; fsdp_* are unused.
+        if backend != "megatron":
+            raise ValueError(f"MegatronLearner runs learner.backend megatron, not {backend!r}")
         require_cuda()
         if not model_config.get("hf"):
             raise ValueError("the megatron backend needs an HF model (model.hf)")
