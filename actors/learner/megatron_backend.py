@@ -234,6 +234,10 @@ class MegatronLearner:
         self.master_addr, self.master_port = master_addr, master_port
         self.dist_timeout_s = dist_timeout_s
         self.dtype = _DTYPES.get(str(model_config.get("dtype", "float32")), torch.float32)
+        # The rank's device: its GPU.  Only a test that patches megatron's CUDA calls (and
+        # require_cuda) runs this class with device "cpu" (tests/actors/learner/
+        # test_megatron_learner.py); the job's config refuses it.
+        self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda")
         self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
                                        "weight_decay": weight_decay}
         self.max_grad_norm, self.clip_eps, self.is_cap = max_grad_norm, clip_eps, is_cap
@@ -253,15 +257,19 @@ class MegatronLearner:
         self._checkpointer: Any = None
         self.restored: dict[str, Any] | None = None
         self._pending_state: dict[str, Any] | None = None
-        from erlay.actors.learner.checkpoint import latest, load
-        info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        info = None
+        if self.checkpoint_dir is not None:
+            from erlay.actors.learner.checkpoint import latest, load
+            info = latest(self.checkpoint_dir)
         if info is not None:   # loaded into the model when it is built
             self._pending_state, extra = load(info.path)
             self._step = int(self._pending_state["step"])
             self._version = int(self._pending_state["version"])
             self.restored = {"step": info.step, "path": str(info.path), **extra}
-        from erlay.actors.learner.ledger import LearnerLedger
-        self.ledger = LearnerLedger(ledger_path) if ledger_path and rank == 0 else None
+        self.ledger = None
+        if ledger_path and rank == 0:
+            from erlay.actors.learner.ledger import LearnerLedger
+            self.ledger = LearnerLedger(ledger_path)
         if self.ledger is not None:
             self.ledger.started(self._step, self.restored is not None)
         if world_size == 1:
@@ -273,23 +281,31 @@ class MegatronLearner:
         directory's): at the first collective call, on every rank together."""
         if self.model is not None:
             return
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            # Ray gives the actor one GPU (CUDA_VISIBLE_DEVICES): it is device 0.
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = self.master_addr
             os.environ["MASTER_PORT"] = str(self.master_port)
-            dist.init_process_group("nccl", rank=self.rank, world_size=self.world_size,
+            if self.master_addr == LOOPBACK:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group("nccl" if cuda else "gloo", rank=self.rank,
+                                    world_size=self.world_size,
                                     timeout=timedelta(seconds=self.dist_timeout_s))
         init_parallel_state(self.tp, self.pp)
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        model_parallel_cuda_manual_seed(self.seed)
+        if cuda:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+            model_parallel_cuda_manual_seed(self.seed)
         self._tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._dp_rank = parallel_state.get_data_parallel_rank()
         self._dp_group = parallel_state.get_data_parallel_group()
-        self.model = build_gpt_model(self.shape, tp=self.tp, pp=self.pp, dtype=self.dtype)
-        self.model.cuda()
+        self.model = build_gpt_model(self.shape, tp=self.tp, pp=self.pp, dtype=self.dtype,
+                                     cpu_init=not cuda)
+        self.model.to(self.device)
         pending, self._pending_state = self._pending_state, None
         hf = pending["model_hf"] if pending is not None else read_hf_state(self.model_dir)
         self._load_hf(hf)
@@ -305,8 +321,8 @@ class MegatronLearner:
     def _load_hf(self, hf: dict[str, torch.Tensor]) -> None:
         full = hf_to_megatron(hf, self.shape, tp=self.tp)
         mine = split_tp(full, self.shape, self.tp)[self._tp_rank]
-        device = torch.device("cuda", torch.cuda.current_device())
-        load_megatron_state(self.model, {k: v.to(device, self.dtype) for k, v in mine.items()})
+        load_megatron_state(self.model, {k: v.to(self.device, self.dtype)
+                                         for k, v in mine.items()})
 
     def _local_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()
@@ -338,8 +354,10 @@ class MegatronLearner:
 
     def status(self) -> dict[str, Any]:
         """``{step, version, warm_started, restored, committed}`` (as the replicated learner)."""
-        from erlay.actors.learner.checkpoint import latest
-        info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        info = None
+        if self.checkpoint_dir is not None:
+            from erlay.actors.learner.checkpoint import latest
+            info = latest(self.checkpoint_dir)
         return {"step": self._step, "version": self._version,
                 "warm_started": self._warm_started, "restored": self.restored,
                 "committed": info.step if info else None}
@@ -372,7 +390,7 @@ class MegatronLearner:
     def _logprobs(self, model: Any, prompts: list[list[int]], completions: list[list[int]]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = right_pad([p + c for p, c in zip(prompts, completions, strict=True)],
-                           device=torch.device("cuda", torch.cuda.current_device()))
+                           device=self.device)
         return completion_logprobs(megatron_logits(model, tokens), prompts, completions,
                                    self.shape.vocab_size, self.temperature)
 
@@ -502,7 +520,7 @@ class MegatronLearner:
     def _dp_sum(self, value: float) -> float:
         if self.dp == 1:
             return value
-        buf = torch.tensor([value], dtype=torch.float64, device="cuda")
+        buf = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(buf, group=self._dp_group)
         return float(buf[0])
 
@@ -525,7 +543,7 @@ class MegatronLearner:
                 offset += p.numel()
         split = [p for p in params if getattr(p, "tensor_model_parallel", False)]
         replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
-        sq = torch.zeros((), dtype=torch.float64, device="cuda")
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in split:
             sq += p.grad.double().pow(2).sum()
         if self.tp > 1:

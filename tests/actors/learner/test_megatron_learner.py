@@ -7,10 +7,11 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from erlay.actors.learner.core import LearnerCore
+from erlay.actors.learner.core import LearnerCore, TrainBatch
 from erlay.actors.learner.megatron_backend import MegatronLearner, MegatronUnavailable
 from erlay.actors.learner.rank import Learner
 
@@ -38,3 +39,98 @@ def test_megatron_learner_has_the_replicated_learners_surface_and_keywords() -> 
 def test_megatron_learner_refuses_to_start_without_cuda(tmp_path: Path) -> None:
     with pytest.raises(MegatronUnavailable, match="runs on GPUs only"):
         MegatronLearner({"hf": str(tmp_path)}, device="cuda")
+
+
+# -- the step logic on the CPU, megatron's CUDA calls patched in the test --------------------
+@pytest.fixture
+def cpu_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test-only: let MegatronLearner and megatron's forward run on the CPU (require_cuda
+    off, ``torch.cuda.current_device`` -> "cpu", the CUDA RNG tracker's fork a no-op)."""
+    import contextlib
+
+    import megatron.core.tensor_parallel as tensor_parallel
+    import torch.distributed as dist
+
+    from erlay.actors.learner import megatron_backend
+
+    class NoFork:
+        def fork(self, *args: object, **kwargs: object) -> object:
+            return contextlib.nullcontext()
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    monkeypatch.setattr(megatron_backend, "require_cuda", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: NoFork())
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grpo_batch(core: LearnerCore, vocab: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(2)
+    groups, size = 2, 4
+    prompts = torch.randint(4, vocab, (groups, 6), generator=g).tolist()
+    prompt_ids = [prompts[i // size] for i in range(groups * size)]
+    completions = [torch.randint(4, vocab, (3 + i % 4,), generator=g).tolist()
+                   for i in range(groups * size)]
+    scored = core.evaluate_logprobs(prompt_ids, completions)
+    behaviour = [[x + 0.3 * float(torch.randn((), generator=g)) for x in row] for row in scored]
+    return TrainBatch(prompt_ids=prompt_ids, completion_ids=completions,
+                      behaviour_logprobs=behaviour, versions=[[0] * len(c) for c in completions],
+                      rewards=[float((i * 7) % 3) for i in range(groups * size)],
+                      group_size=size, rollout_ids=[f"r{i}" for i in range(groups * size)])
+
+
+def test_megatron_learner_step_on_cpu_equals_the_hf_learners_step(
+        tmp_path: Path, cpu_megatron: None) -> None:
+    """The GPU-only learner's logic run on the CPU (fixture): it publishes the HF weights
+    bit for bit before training, and one GRPO step gives LearnerCore's loss and gradient
+    norm on the same weights and batch (float32), and moves the weights the same way;
+    ``load_state(state())`` restores it exactly.  Planted: a perturbed norm weight changes
+    the step's loss or gradient norm."""
+    from erlay.actors.learner.megatron_backend import MegatronLearner
+    from erlay.actors.model.tiny import write_tiny_model
+    path = write_tiny_model(tmp_path / "m", "qwen2", hidden=64, layers=2, heads=4, kv_heads=2,
+                            ffn=128, max_positions=64)
+    spec = {"hf": str(path), "init": "pretrained", "dtype": "float32"}
+    hyper = dict(lr=1e-3, max_grad_norm=1e9, seed=0, temperature=0.9)
+    core = LearnerCore(spec, **hyper)
+    ours = MegatronLearner(spec, device="cpu", master_port=free_port(), **hyper)
+    try:
+        version, published = ours.versioned_weights()
+        start = core.weights()
+        assert version == 0 and set(published) == set(start)
+        assert all(np.array_equal(published[k], start[k]) for k in start)
+        batch = grpo_batch(core, ours.shape.vocab_size)
+        initial = ours.state()
+        theirs_m = core.train_step(batch)
+        ours_m = ours.train_step(batch)
+        assert ours_m["step"] == ours_m["version"] == 1
+        assert abs(ours_m["loss"] - theirs_m["loss"]) < 1e-5
+        assert abs(ours_m["grad_norm"] - theirs_m["grad_norm"]) < 1e-4 * theirs_m["grad_norm"]
+        after_core, after_ours = core.weights(), ours.weights()
+        moved = max(float(np.abs(after_core[k] - start[k]).max()) for k in start)
+        apart = max(float(np.abs(after_core[k] - after_ours[k]).max()) for k in start)
+        assert moved > 5e-4 and apart < 1e-4, (moved, apart)
+        # state() restores exactly into the same learner (weights, step, version).
+        saved = ours.state()
+        ours.train_step(grpo_batch(core, ours.shape.vocab_size))
+        assert ours.load_state(saved) == 1
+        assert all(np.array_equal(ours.weights()[k], after_ours[k]) for k in after_ours)
+        # Back to the start, the same step again: the same loss.
+        assert ours.load_state(initial) == 0
+        assert ours.train_step(batch)["loss"] == pytest.approx(ours_m["loss"], abs=1e-7)
+        # Planted: from the start again, with a perturbed final norm on the megatron side.
+        ours.load_state(initial)
+        with torch.no_grad():
+            ours.model.decoder.final_layernorm.weight.add_(0.05)
+        planted = ours.train_step(batch)
+        assert abs(planted["loss"] - theirs_m["loss"]) > 1e-4 or \
+            abs(planted["grad_norm"] - theirs_m["grad_norm"]) > 1e-3 * theirs_m["grad_norm"]
+    finally:
+        ours.erlay_terminate()
