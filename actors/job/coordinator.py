@@ -347,8 +347,11 @@ class RolloutCoordinator:
         with telemetry.span("checkpoint", root=True) as span:
             if self.journal is not None:
                 snapshot = self.journal.snapshot().snapshot
+            # A sharded learner's save is a collective (every rank calls it); a replicated
+            # one saves on rank 0 alone.
             result = await self._learner_call("save_checkpoint", {
-                "journal_snapshot": snapshot, "base_version": self.base_version})
+                "journal_snapshot": snapshot, "base_version": self.base_version},
+                all_ranks=self.cfg.learner.backend != "replicated")
             span.set_attribute("erlay.step", int(result["step"]))
             span.set_attribute("erlay.exposed_s", float(result["exposed_s"]))
         if self.journal is not None and result.get("committed") is not None:

@@ -84,6 +84,34 @@ def _live(specs: list[ChildSpec], domain: DomainFlags) -> list[ChildSpec]:
     return [dataclasses.replace(spec, liveness=liveness) for spec in specs]
 
 
+def learner_class(cfg: JobConfig) -> type:
+    """The actor class of a learner rank for ``learner.backend``: :class:`Learner` for
+    replicated and fsdp2, megatron-core's :class:`MegatronLearner` (imported only when named,
+    since it needs megatron-core) for megatron."""
+    match cfg.learner.backend:
+        case "replicated" | "fsdp2":
+            from erlay.actors.learner.rank import Learner
+            return Learner
+        case "megatron":
+            from erlay.actors.learner.megatron_backend import MegatronLearner
+            return MegatronLearner
+    raise ConfigError(f"learner.backend: unknown backend {cfg.learner.backend!r}")
+
+
+def learner_backend_kwargs(cfg: JobConfig) -> dict[str, Any]:
+    """The backend's own keywords for each learner rank (none for replicated)."""
+    learner = cfg.learner
+    match learner.backend:
+        case "fsdp2":
+            return {"backend": "fsdp2", "fsdp_cpu_offload": learner.fsdp.cpu_offload,
+                    "fsdp_reshard_after_forward": learner.fsdp.reshard_after_forward}
+        case "megatron":
+            return {"tensor_parallel": learner.megatron.tensor_parallel,
+                    "pipeline_parallel": learner.megatron.pipeline_parallel,
+                    "data_parallel": learner.megatron.data_parallel}
+    return {}
+
+
 def free_port() -> int:
     """A free TCP port on loopback, for the learner ranks' process group."""
     import socket
@@ -231,7 +259,6 @@ class Job:
 
     def build(self) -> SupervisionTree:
         from erlay.actors.job.coordinator import RolloutCoordinator
-        from erlay.actors.learner.rank import Learner
 
         cfg, sup = self.cfg, self.cfg.supervision
         model = self.model_config()
@@ -243,7 +270,8 @@ class Job:
         master_port = free_port()
         learner_opts = {**opts, "num_gpus": cfg.learner.num_gpus} if cfg.learner.num_gpus \
             else opts
-        learners = [ChildSpec(f"learner-{r}", ActorStart(Learner, args=(model,), kwargs=dict(
+        learners = [ChildSpec(f"learner-{r}", ActorStart(learner_class(cfg), args=(model,),
+                                                         kwargs=dict(
             lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
             max_grad_norm=cfg.learner.max_grad_norm, clip_eps=cfg.learner.clip_eps,
             is_cap=cfg.learner.is_cap, kl_coef=cfg.learner.kl_coef, seed=cfg.run.seed,
@@ -253,7 +281,7 @@ class Job:
             lr_min_ratio=cfg.learner.lr_min_ratio, mtp_loss_weight=cfg.learner.mtp_loss_weight,
             checkpoint_dir=str(self.run_dir.checkpoints), ledger_path=str(self.run_dir.ledger),
             checkpoint_keep=cfg.checkpoint.keep, device=cfg.learner.device,
-            **self._learner_init()), options=learner_opts),
+            **learner_backend_kwargs(cfg), **self._learner_init()), options=learner_opts),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]

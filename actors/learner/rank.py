@@ -8,7 +8,10 @@ step's progress ticks (phase ``train_step``, or ``sft``) are what hang detection
 
 Ranks of a data-parallel learner are siblings under a ``one_for_all`` supervisor (they share
 a gloo process group, so one rank's death breaks the others' collectives).  Only rank 0
-publishes weights; every rank holds the same weights after each step.
+publishes weights: with ``backend: replicated`` every rank holds the same weights after each
+step; with ``fsdp2`` each holds a shard, and rank 0 serves the whole weights gathered at the
+end of every update (:mod:`erlay.actors.learner.fsdp`), so no call into rank 0 alone needs
+its peers.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ class Learner(LearnerCore):
     instead of the seeded initialisation.  An HF model needs none: learner and engines load
     ``model.hf``.  With ``checkpoint_dir``, a new incarnation restores the newest committed
     checkpoint there before it serves (every rank loads the same one: one_for_all restarts
-    them together), and :meth:`save_checkpoint` saves asynchronously into it.
+    them together), and :meth:`save_checkpoint` saves asynchronously into it.  With
+    ``backend: fsdp2`` every rank reads the same whole checkpoint before its model is sharded
+    (no collective in a constructor), and saving is a collective: every rank calls
+    :meth:`save_checkpoint`, rank 0 writes.
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
@@ -102,10 +108,12 @@ class Learner(LearnerCore):
         tensors to host memory while the next step computes, and the optimizer's next step
         waits for it (:meth:`AsyncCheckpointer.guard`); persisting and the atomic commit
         happen in the checkpoint worker process.  Only rank 0 saves (ranks
-        hold identical state after every step); other ranks return at once.  Returns
+        hold identical state after every step); other ranks return at once.  fsdp2: every
+        rank must call it (the whole optimizer state is gathered to rank 0's host, which
+        is the exposed cost; the written state is already a copy).  Returns
         ``{step, exposed_s, committed}`` with the newest committed step so far.
         """
-        if self.rank != 0 or self.checkpoint_dir is None:
+        if self.checkpoint_dir is None or (self.rank != 0 and self._fsdp is None):
             return {"step": self._step, "exposed_s": 0.0, "committed": None}
         # Chaos: a `delay` armed here is slow storage, so it slows the background write,
         # not this call; any other action (raise, hang, exit) acts here, mid-save.
@@ -113,17 +121,27 @@ class Learner(LearnerCore):
         write_delay_s = armed.delay_s if armed and armed.action is Action.DELAY else 0.0
         if not write_delay_s:
             failpoint("learner.checkpoint")
+        started = time.perf_counter()
+        gathered = None
+        if self._fsdp is not None:
+            with self._lock:   # collective: whole state gathered to rank 0's host
+                gathered = self._state_locked(copied=True)
+            if self.rank != 0:
+                return {"step": self._step, "exposed_s": time.perf_counter() - started,
+                        "committed": None}
         if self._checkpointer is None:
             if self.world_size > 1:
                 self._ensure_group()
             ensure_process_group()
             self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
-            self._checkpointer.guard(self.optimizer)
+            if gathered is None:   # a gathered state is a copy: no step can tear it
+                self._checkpointer.guard(self.optimizer)
         self._checkpointer.poll()  # commit finished saves first, so `committed` is current
-        started = time.perf_counter()  # exposed here: recording the state and the hand-off
+        if gathered is None:
+            started = time.perf_counter()  # exposed: recording the state and the hand-off
         with self._lock:  # the state's structure is read between steps
-            self._checkpointer.save(self._step, self._state_locked(copied=False), extra or {},
-                                    write_delay_s=write_delay_s)
+            self._checkpointer.save(self._step, gathered or self._state_locked(copied=False),
+                                    extra or {}, write_delay_s=write_delay_s)
         exposed = time.perf_counter() - started
         return {"step": self._step, "exposed_s": exposed,
                 "committed": self._checkpointer.committed}

@@ -66,7 +66,7 @@ def test_fsdp2_restart_resumes_the_same_timeline_on_two_ranks_and_on_one(
     nothing to train on, so it runs the idle pass; a whole learner restored from the same
     checkpoint takes the same step."""
     vocab = vocab_of(spec)
-    options = {"lr": 1e-2, "max_grad_norm": 1.0}
+    options = {"lr": 1e-4, "max_grad_norm": 1.0}
     batches = [parity_batch(vocab, seed=1), parity_batch(vocab, seed=2, idle_rows=(2, 3))]
     checkpoint = tmp_path / "state.pkl"
     ranks = spawn_ranks(2, fsdp_rank_resume, spec, batches, options, free_port(),
