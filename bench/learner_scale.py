@@ -39,8 +39,13 @@ import logging
 import tempfile
 from typing import Any
 
-from erlay.actors.learner.fsdp_parity import (fsdp_rank_step, parity_batch, run_parity,
-                                              spawn_ranks, vocab_of)
+from erlay.actors.learner.fsdp_parity import (
+    fsdp_rank_step,
+    parity_batch,
+    run_parity,
+    spawn_ranks,
+    vocab_of,
+)
 from erlay.actors.model.tiny import write_tiny_model
 
 KEYS = ("param_bytes", "grad_bytes", "optim_bytes")
