@@ -99,17 +99,17 @@ def learner_class(cfg: JobConfig) -> type:
 
 
 def learner_backend_kwargs(cfg: JobConfig) -> dict[str, Any]:
-    """The backend's own keywords for each learner rank (none for replicated)."""
+    """The backend's keywords for each learner rank: ``backend`` and the fsdp settings for
+    every class (a class ignores what it does not use), the parallel sizes for megatron."""
     learner = cfg.learner
-    match learner.backend:
-        case "fsdp2":
-            return {"backend": "fsdp2", "fsdp_cpu_offload": learner.fsdp.cpu_offload,
-                    "fsdp_reshard_after_forward": learner.fsdp.reshard_after_forward}
-        case "megatron":
-            return {"tensor_parallel": learner.megatron.tensor_parallel,
-                    "pipeline_parallel": learner.megatron.pipeline_parallel,
-                    "data_parallel": learner.megatron.data_parallel}
-    return {}
+    kwargs: dict[str, Any] = {"backend": learner.backend,
+                              "fsdp_cpu_offload": learner.fsdp.cpu_offload,
+                              "fsdp_reshard_after_forward": learner.fsdp.reshard_after_forward}
+    if learner.backend == "megatron":
+        kwargs.update(tensor_parallel=learner.megatron.tensor_parallel,
+                      pipeline_parallel=learner.megatron.pipeline_parallel,
+                      data_parallel=learner.megatron.data_parallel)
+    return kwargs
 
 
 def free_port() -> int:
