@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the GPU lane installs on the device machine (Python 3.12,
-# x86_64, no network there): exactly the list `bench/gpu/lane.py --print-wheels` prints
-# (lane.py's WHEELS, with the reason for each), as cp312 or pure-Python wheels, no
-# dependencies resolved.  They go to bench/gpu/wheels/ (gitignored: a device run carries it,
+# x86_64, no network there): the list `bench/gpu/lane.py --print-wheels` prints (lane.py's
+# WHEELS, with the reason for each) plus megatron-core (below), as cp312 or pure-Python
+# wheels, no dependencies resolved.  They go to bench/gpu/wheels/ (gitignored: a device run carries it,
 # run(carry=["bench/gpu/wheels"])).  Fails when the wheels and the tracked tree together
 # exceed the 64 MiB a device run may carry.
 #
@@ -15,6 +15,10 @@ DEST=bench/gpu/wheels
 LIMIT_MIB=64
 
 mapfile -t wheels < <("$PY" bench/gpu/lane.py --print-wheels)
+# Beside the lane's: megatron-core for bench/gpu/megatron_parity.py (the megatron learner
+# backend; about 2.6 MB, a cp312 manylinux wheel; it needs only torch, numpy and packaging,
+# which the device machine has).  Pinned as pyproject.toml's `megatron` extra pins it.
+wheels+=("megatron-core==0.16.1")
 rm -rf "$DEST"
 mkdir -p "$DEST"
 "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

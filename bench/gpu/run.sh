@@ -3,15 +3,17 @@
 # CUDA, transformers; no Ray, no vLLM, no network).  Installs the carried wheels
 # (bench/gpu/wheels/, from bench/gpu/fetch_wheels.sh) with --no-deps into a directory that
 # bench/gpu/lane.py appends to sys.path (the machine's own packages win), then runs the lane
-# under one deadline.  The lane writes one JSON file of figures ($OUT/gpu_lane.json when $OUT
-# is set) and prints the same JSON as its last stdout line; the exit status is the lane's
-# (1 when a phase failed: its figures are null and its error is in the JSON).
+# under one deadline, after the megatron parity check (below).  The lane writes one JSON file
+# of figures ($OUT/gpu_lane.json when $OUT is set) and prints the same JSON as its last stdout
+# line; the exit status is the lane's (1 when a phase failed: its figures are null and its
+# error is in the JSON), or the parity check's when the lane passed.
 #
 #     bash bench/gpu/run.sh                                  # on the device machine
 #     bash bench/gpu/run.sh --device cpu --size tiny         # the same wiring, here
 #
-# Arguments go to lane.py.  LANE_TIMEOUT_S (default 290) bounds the whole script, install
-# included; the lane's own deadline (--deadline-s, 270 s) ends it first, with its JSON.
+# Arguments go to lane.py.  LANE_TIMEOUT_S (default 290) bounds the install and the lane (the
+# parity check's time not counted); the lane's own deadline (--deadline-s, 270 s) ends it
+# first, with its JSON.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 started=$(date +%s)
@@ -40,10 +42,29 @@ else
 fi
 export ERLAY_LANE_SITE="$SITE"
 
-left=$(( ${LANE_TIMEOUT_S:-290} - ($(date +%s) - started) ))
+# The megatron backend's parity check first (bench/gpu/megatron_parity.py: megatron-core,
+# from the wheels, against the HF model), under its own limit (MEGATRON_TIMEOUT_S, default
+# 200 s; MEGATRON_PARITY=0 skips it); without CUDA it prints {"gpu": false} and exits 0.  Its
+# table and JSON line go to stdout (and $OUT/megatron_parity.txt); the lane's JSON stays the
+# last line.
+parity_rc=0
+parity_started=$(date +%s)
+if [ "${MEGATRON_PARITY:-1}" != 0 ]; then
+    timeout --kill-after=5 "${MEGATRON_TIMEOUT_S:-200}" "$PY" bench/gpu/megatron_parity.py \
+        | tee "${OUT:-${TMPDIR:-/tmp}}/megatron_parity.txt"
+    parity_rc=${PIPESTATUS[0]}
+    if [ "$parity_rc" -ne 0 ]; then
+        echo "run.sh: megatron_parity.py exited $parity_rc" >&2
+    fi
+fi
+parity_s=$(( $(date +%s) - parity_started ))
+
+left=$(( ${LANE_TIMEOUT_S:-290} + parity_s - ($(date +%s) - started) ))
 timeout --kill-after=5 "$left" "$PY" bench/gpu/lane.py "$@"
 rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     echo "run.sh: the lane ran past ${LANE_TIMEOUT_S:-290} s and was stopped" >&2
 fi
+# The lane's status, or the parity check's when the lane passed.
+if [ "$rc" -eq 0 ]; then rc=$parity_rc; fi
 exit "$rc"
