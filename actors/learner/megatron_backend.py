@@ -613,6 +613,7 @@ class MegatronLearner:
         if self.rank != 0 or self.checkpoint_dir is None:
             return {"step": self._step, "exposed_s": 0.0, "committed": None}
         from erlay.actors.learner.checkpoint import AsyncCheckpointer
+        self._ensure_model()   # the process group the checkpoint library asks for, too
         if self._checkpointer is None:
             self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
         self._checkpointer.poll()

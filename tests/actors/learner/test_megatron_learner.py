@@ -174,3 +174,46 @@ def test_megatron_learner_tp2_and_dp2_on_two_gloo_ranks_equal_the_hf_learner(
         assert row["weights_moved"] > 5e-4 and row["weights_vs_ref_max_abs"] < 1e-4, row
     # Data parallel: each rank's loss is its own half's; the two halves differ.
     assert ranks[0]["dp2"]["loss"] != ranks[1]["dp2"]["loss"]
+
+
+def test_megatron_learner_checkpoint_restores_step_and_weights_on_cpu(
+        tmp_path: Path, cpu_megatron: None) -> None:
+    """save_checkpoint (the replicated learner's async checkpointer) then a new incarnation
+    on the same directory: it reports the restored step, and publishes the saved weights
+    and trains on from them exactly as the first would have.  Planted: a new incarnation on
+    an empty directory starts from step 0."""
+    from erlay.actors.learner.megatron_backend import MegatronLearner
+    from erlay.actors.model.tiny import write_tiny_model
+    path = write_tiny_model(tmp_path / "m", "llama", hidden=64, layers=2, heads=4, kv_heads=2,
+                            ffn=128, max_positions=64)
+    spec = {"hf": str(path), "init": "pretrained", "dtype": "float32"}
+    hyper = dict(lr=1e-3, seed=0, checkpoint_dir=str(tmp_path / "ckpt"))
+    core = LearnerCore(spec, lr=1e-3, seed=0)
+    first = MegatronLearner(spec, device="cpu", master_port=free_port(), **hyper)
+    try:
+        batch = grpo_batch(core, first.shape.vocab_size)
+        first.train_step(batch)
+        saved = first.weights()
+        assert first.save_checkpoint({"note": "x"})["step"] == 1
+        assert first.wait_checkpoints() == 1
+        next_step = first.train_step(batch)
+        expected = first.weights()
+    finally:
+        first.erlay_terminate()
+    second = MegatronLearner(spec, device="cpu", master_port=free_port(), **hyper)
+    try:
+        status = second.status()
+        assert status["step"] == 1 and status["restored"]["step"] == 1
+        assert status["restored"]["note"] == "x"
+        assert all(np.array_equal(second.weights()[k], saved[k]) for k in saved)
+        again = second.train_step(batch, expected_step=1)
+        assert again["loss"] == pytest.approx(next_step["loss"], abs=1e-7)
+        assert all(np.array_equal(second.weights()[k], expected[k]) for k in expected)
+    finally:
+        second.erlay_terminate()
+    fresh = MegatronLearner(spec, device="cpu", master_port=free_port(), lr=1e-3, seed=0,
+                            checkpoint_dir=str(tmp_path / "empty"))
+    try:
+        assert fresh.status()["step"] == 0 and fresh.status()["restored"] is None
+    finally:
+        fresh.erlay_terminate()
