@@ -25,7 +25,8 @@ and the same constructor keywords, plus ``tensor_parallel``, ``pipeline_parallel
   (:func:`~erlay.actors.model.megatron_convert.hf_to_megatron`) and keeps its
   tensor-parallel shard.  After each step rank 0's tensor-parallel group gathers the shards
   and rank 0 keeps the merged HF-named weights: what :meth:`publish` sends the engines and
-  what checkpoints hold, so a checkpoint is an HF state dict ``erlay export`` can write.
+  what checkpoints hold (``state()["model"]``, HF names), so ``erlay export`` writes a
+  megatron checkpoint as it writes the replicated learner's.
 - **A step.** Each data-parallel rank trains its contiguous shard of the batch (tensor
   ranks of one data-parallel rank see the same rows), logprobs from the model's logits
   (padded vocabulary dropped, divided by the engines' temperature), the GRPO loss of
@@ -307,7 +308,7 @@ class MegatronLearner:
                                      cpu_init=not cuda)
         self.model.to(self.device)
         pending, self._pending_state = self._pending_state, None
-        hf = pending["model_hf"] if pending is not None else read_hf_state(self.model_dir)
+        hf = pending["model"] if pending is not None else read_hf_state(self.model_dir)
         self._load_hf(hf)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._hyper)
         if pending is not None:
@@ -371,7 +372,7 @@ class MegatronLearner:
             if self._published is not None:
                 weights = self._published
             elif self._pending_state is not None:
-                weights = self._pending_state["model_hf"]
+                weights = self._pending_state["model"]
             else:
                 weights = read_hf_state(self.model_dir)
             return self._version, {k: v.float().cpu().numpy().copy() for k, v in
@@ -564,14 +565,16 @@ class MegatronLearner:
 
     # ---------------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
-        """Rank 0's resumable state: the merged HF weights, the optimizer (exact with
-        tensor_parallel 1), step, version and RNG."""
+        """Rank 0's resumable state: ``model``, the merged HF-named weights (as the
+        replicated learner's ``model`` of an HF policy, so ``erlay export`` writes a megatron
+        checkpoint as it writes any), the optimizer (exact with tensor_parallel 1), step,
+        version and RNG."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 holds the merged state")
         self._ensure_model()
         with self._lock:
             return {"format": STATE_FORMAT, "shape": self.shape.to_dict(),
-                    "model_hf": {k: v.clone() for k, v in self._published.items()},
+                    "model": {k: v.clone() for k, v in self._published.items()},
                     "optimizer": copy.deepcopy(self.optimizer.state_dict())
                     if self.tp == 1 else None,
                     "step": self._step, "version": self._version,
@@ -591,7 +594,7 @@ class MegatronLearner:
             self._ensure_model()
         else:
             with self._lock:
-                self._load_hf(state["model_hf"])
+                self._load_hf(state["model"])
                 self._restore_rest(state)
                 self._refresh_published()
         return self._version

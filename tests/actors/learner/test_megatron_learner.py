@@ -180,14 +180,16 @@ def test_megatron_learner_checkpoint_restores_step_and_weights_on_cpu(
         tmp_path: Path, cpu_megatron: None) -> None:
     """save_checkpoint (the replicated learner's async checkpointer) then a new incarnation
     on the same directory: it reports the restored step, and publishes the saved weights
-    and trains on from them exactly as the first would have.  Planted: a new incarnation on
+    and trains on from them exactly as the first would have; ``erlay export`` writes the
+    checkpoint as an HF directory with exactly those weights.  Planted: a new incarnation on
     an empty directory starts from step 0."""
     from erlay.actors.learner.megatron_backend import MegatronLearner
     from erlay.actors.model.tiny import write_tiny_model
     path = write_tiny_model(tmp_path / "m", "llama", hidden=64, layers=2, heads=4, kv_heads=2,
                             ffn=128, max_positions=64)
     spec = {"hf": str(path), "init": "pretrained", "dtype": "float32"}
-    hyper = dict(lr=1e-3, seed=0, checkpoint_dir=str(tmp_path / "ckpt"))
+    run = tmp_path / "run"
+    hyper = dict(lr=1e-3, seed=0, checkpoint_dir=str(run / "checkpoints"))
     core = LearnerCore(spec, lr=1e-3, seed=0)
     first = MegatronLearner(spec, device="cpu", master_port=free_port(), **hyper)
     try:
@@ -211,6 +213,18 @@ def test_megatron_learner_checkpoint_restores_step_and_weights_on_cpu(
         assert all(np.array_equal(second.weights()[k], expected[k]) for k in expected)
     finally:
         second.erlay_terminate()
+    # erlay export writes the megatron checkpoint as an HF directory with its weights.
+    from transformers import AutoModelForCausalLM
+
+    from erlay.actors.config import load_config
+    from erlay.actors.job.export import export_run
+    (run / "config.yaml").write_text(load_config(None, [
+        f"model.hf={path}", "learner.backend=megatron", "learner.device=cuda",
+        "learner.num_gpus=1"]).to_yaml())
+    exported = AutoModelForCausalLM.from_pretrained(export_run(run, tmp_path / "out").out)
+    written = {k: v.detach().numpy() for k, v in exported.state_dict().items()}
+    assert set(written) == set(saved)
+    assert all(np.array_equal(written[k], saved[k]) for k in saved)
     fresh = MegatronLearner(spec, device="cpu", master_port=free_port(), lr=1e-3, seed=0,
                             checkpoint_dir=str(tmp_path / "empty"))
     try:
