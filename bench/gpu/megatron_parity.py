@@ -93,7 +93,7 @@ def ensure_world(device: str) -> None:
     tears them down."""
     import torch.distributed as dist
 
-    from erlay.actors.learner.megatron_backend import init_parallel_state
+    from erlay.actors.learner.megatron_model import init_parallel_state
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -129,7 +129,7 @@ def logits_parity(path: Path, device: str, lengths: tuple[int, ...]) -> dict[str
     import torch
     from transformers import AutoModelForCausalLM
 
-    from erlay.actors.learner.megatron_backend import (
+    from erlay.actors.learner.megatron_model import (
         build_gpt_model,
         load_megatron_state,
         megatron_logits,

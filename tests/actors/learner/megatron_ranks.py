@@ -59,7 +59,7 @@ def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 def tp2_logits(learner: Any, hf: Any) -> dict[str, float]:
     """Logits of the TP=2 model against HF's, then with rank r holding row chunk r of
     ``[gate; up]`` (planted), then the right shards back."""
-    from erlay.actors.learner.megatron_backend import load_megatron_state, megatron_logits
+    from erlay.actors.learner.megatron_model import load_megatron_state, megatron_logits
     from erlay.actors.model import megatron_convert as mc
     shape = learner.shape
     torch.manual_seed(0)

@@ -188,7 +188,7 @@ def test_megatron_conversion_refuses_unplaced_or_missing_tensors(tmp_path: Path)
 def test_megatron_model_on_cpu_loads_the_converted_weights_strictly_and_matches_hf_logits(
         tmp_path: Path, megatron_world: None, cpu_forward: None, arch: str,
         tied: bool) -> None:
-    from erlay.actors.learner.megatron_backend import (
+    from erlay.actors.learner.megatron_model import (
         build_gpt_model,
         load_megatron_state,
         megatron_logits,
@@ -220,7 +220,7 @@ def test_megatron_model_on_cpu_loads_the_converted_weights_strictly_and_matches_
 
 def test_megatron_strict_load_refuses_a_missing_or_misshapen_tensor(
         tmp_path: Path, megatron_world: None) -> None:
-    from erlay.actors.learner.megatron_backend import build_gpt_model, load_megatron_state
+    from erlay.actors.learner.megatron_model import build_gpt_model, load_megatron_state
     model = hf_model(tmp_path, "qwen2")
     shape = mc.megatron_shape(model.config)
     mg = build_gpt_model(shape, cpu_init=True)
@@ -236,7 +236,7 @@ def test_megatron_strict_load_refuses_a_missing_or_misshapen_tensor(
 def test_megatron_completion_logprobs_match_the_learners_scoring(tmp_path: Path) -> None:
     """The megatron learner's right-padded scoring equals the replicated learner's
     left-padded :func:`sequence_logprobs` on the same HF model (temperature 0.7)."""
-    from erlay.actors.learner.megatron_backend import completion_logprobs, right_pad
+    from erlay.actors.learner.megatron_model import completion_logprobs, right_pad
     from erlay.actors.model.build import build_policy
     from erlay.actors.model.policy import sequence_logprobs
     path = write_tiny_model(tmp_path / "m", "qwen2", **SHAPE)
