@@ -69,6 +69,9 @@ KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "
          "learner.checkpoint_before_swap", "learner.checkpoint_mid_swap",
          "learner.checkpoint_after_swap", "learner.checkpoint_before_cleanup",
          "learner.checkpoint_retire",
+         # A sharded checkpoint (actors/learner/sharded_checkpoint.py): every rank's shard
+         # is written, rank 0 has not written the manifest yet.
+         "learner.checkpoint_manifest",
          # Faults of user code, fired where erlay calls it, inside its guard: raise is the
          # user's exception, hang the user's hang, corrupt a bad return.
          "environment.call", "judge.user_code")

@@ -75,9 +75,8 @@ import torch
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from torch import distributed as dist
 
-from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root
+from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root, retire
 from erlay.actors.learner.checkpoint_format import (
-    RETIRED_PREFIX,
     TMP_PREFIX,
     CheckpointInfo,
     CheckpointInvalid,
@@ -90,7 +89,7 @@ from erlay.actors.learner.checkpoint_format import (
 )
 from erlay.actors.learner.snapshot import Copier, Snapshot, StagingBuffer, unstage
 from erlay.supervisor.errors import ErlayError
-from erlay.supervisor.failpoints import FailpointError, failpoint
+from erlay.supervisor.failpoints import FailpointError
 
 __all__ = ["AsyncCheckpointer", "CheckpointInfo", "CheckpointInvalid", "CheckpointSaveFailed",
            "ensure_process_group", "latest", "list_checkpoints", "load"]
@@ -471,16 +470,7 @@ class AsyncCheckpointer:
         """Remove all but the newest ``keep`` checkpoints.  Each is first renamed to a
         ``.tmp-retired-`` name, atomically, so a crash mid-removal leaves a leftover that
         the next checkpointer removes, never a half-deleted ``step-*`` directory."""
-        for old in list_checkpoints(self.root)[:-self.keep]:
-            log.info("removing checkpoint %s (keeping %d)", old.path, self.keep)
-            retired = self.root / f"{RETIRED_PREFIX}{old.path.name}-{secrets.token_hex(4)}"
-            try:
-                os.rename(old.path, retired)
-            except OSError as exc:
-                log.warning("could not retire checkpoint %s: %s", old.path, exc)
-                continue
-            failpoint("learner.checkpoint_retire")
-            shutil.rmtree(retired, ignore_errors=True)
+        retire(self.root, self.keep)
 
     def _worker_alive(self) -> bool:
         caller = self._calls.persistent_caller if self._calls is not None else None

@@ -42,17 +42,19 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.learner.checkpoint_format import (
+    RETIRED_PREFIX,
     TMP_PREFIX,
     CheckpointInvalid,
     aside_name,
     aside_target,
     fsync_dir,
+    list_checkpoints,
     read_manifest,
     step_of_dir,
 )
 from erlay.supervisor.failpoints import failpoint
 
-__all__ = ["commit_dir", "exchange", "recover_root"]
+__all__ = ["commit_dir", "exchange", "recover_root", "retire"]
 
 log = logging.getLogger("erlay.checkpoint")
 
@@ -158,3 +160,20 @@ def recover_root(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
     if restored:
         fsync_dir(root)
+
+
+def retire(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints under ``root``.  Each is first renamed
+    to a ``.tmp-retired-`` name, atomically, so a crash mid-removal leaves a leftover that the
+    next checkpointer removes, never a half-deleted ``step-*`` directory (failpoint
+    ``learner.checkpoint_retire``: renamed, not removed yet)."""
+    for old in list_checkpoints(root)[:-keep]:
+        log.info("removing checkpoint %s (keeping %d)", old.path, keep)
+        retired = root / f"{RETIRED_PREFIX}{old.path.name}-{secrets.token_hex(4)}"
+        try:
+            os.rename(old.path, retired)
+        except OSError as exc:
+            log.warning("could not retire checkpoint %s: %s", old.path, exc)
+            continue
+        failpoint("learner.checkpoint_retire")
+        shutil.rmtree(retired, ignore_errors=True)

@@ -4,7 +4,12 @@ background worker and commits directories into place.
 
 A checkpoint is a directory ``root/step-XXXXXXXX`` holding ``state.pt`` (``torch.save`` of
 the state) and ``manifest.json``: format, step, creation time, each file's size and sha256,
-and ``extra`` (small JSON metadata such as a journal snapshot name).  It is complete exactly
+and ``extra`` (small JSON metadata such as a journal snapshot name).  A *sharded* checkpoint
+(:mod:`erlay.actors.learner.sharded_checkpoint`) has the same manifest plus ``"layout":
+"sharded"`` and the ``world_size`` it was saved with, and holds a ``torch.distributed.checkpoint``
+directory (``.metadata`` and one ``__<rank>_0.distcp`` file per rank) and one ``rank-XXXXX.pt``
+per rank instead of ``state.pt``; :func:`list_checkpoints` and :func:`latest` see both layouts,
+:func:`load` reads only the replicated one.  It is complete exactly
 when the manifest is valid, names the directory's step, and every file it lists exists with
 the recorded size.  Directories are written under a ``.tmp-`` name and renamed into place
 only once complete (:mod:`erlay.actors.learner.checkpoint_commit`).  A reader needs to know
@@ -35,6 +40,8 @@ log = logging.getLogger("erlay.checkpoint")
 CHECKPOINT_FORMAT = 1
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
+REPLICATED, SHARDED = "replicated", "sharded"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint
 TMP_PREFIX = ".tmp-"
 # An old checkpoint being removed by retention: renamed first, so a crash leaves a leftover.
 RETIRED_PREFIX = f"{TMP_PREFIX}retired-"
@@ -62,6 +69,8 @@ class CheckpointInfo:
     files: dict[str, dict[str, Any]]
     extra: dict[str, Any]
     created_unix: float
+    layout: str = REPLICATED    # or SHARDED
+    world_size: int = 1         # the rank count a sharded checkpoint was saved with
 
     @property
     def total_bytes(self) -> int:
@@ -104,9 +113,13 @@ def read_manifest(path: Path, step: int | None = None) -> dict[str, Any]:
     if step is not None and manifest.get("step") != step:
         raise CheckpointInvalid(path, f"manifest says step {manifest.get('step')}, "
                                       f"the directory says {step}")
+    layout = manifest.get("layout", REPLICATED)
+    if layout not in (REPLICATED, SHARDED):
+        raise CheckpointInvalid(path, f"manifest names an unknown layout {layout!r}")
+    required = DCP_METADATA if layout == SHARDED else STATE_FILE
     files = manifest.get("files")
-    if not isinstance(files, dict) or STATE_FILE not in files:
-        raise CheckpointInvalid(path, f"manifest lists no {STATE_FILE}")
+    if not isinstance(files, dict) or required not in files:
+        raise CheckpointInvalid(path, f"manifest lists no {required}")
     for name, record in files.items():
         try:
             size = (path / name).stat().st_size
@@ -148,7 +161,9 @@ def list_checkpoints(root: Path) -> list[CheckpointInfo]:
         steps.add(manifest["step"])
         found.append(CheckpointInfo(step=manifest["step"], path=entry, files=manifest["files"],
                                     extra=manifest.get("extra") or {},
-                                    created_unix=float(manifest.get("created_unix", 0.0))))
+                                    created_unix=float(manifest.get("created_unix", 0.0)),
+                                    layout=manifest.get("layout", REPLICATED),
+                                    world_size=int(manifest.get("world_size", 1))))
     return sorted(found, key=lambda info: info.step)
 
 
@@ -164,15 +179,25 @@ def load(path: Path, *, verify: bool = True) -> tuple[dict[str, Any], dict[str, 
     read, mostly from the page cache).  Raises :class:`CheckpointInvalid`."""
     path = Path(path)
     manifest = read_manifest(path)
+    if manifest.get("layout", REPLICATED) == SHARDED:
+        raise CheckpointInvalid(path, f"it is a sharded checkpoint (saved on "
+                                      f"{manifest.get('world_size')} ranks); load it with "
+                                      f"erlay.actors.learner.sharded_checkpoint.load_sharded")
     if verify:
-        for name, record in manifest["files"].items():
-            digest = _sha256_of(path / name)
-            if digest != record.get("sha256"):
-                raise CheckpointInvalid(path, f"{name} has sha256 {digest}, "
-                                              f"the manifest says {record.get('sha256')}")
+        verify_files(path, manifest)
     # weights_only: a checkpoint is data; loading one must not run code.
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     return state, manifest.get("extra") or {}
+
+
+def verify_files(path: Path, manifest: dict[str, Any]) -> None:
+    """Check every file the manifest lists against its recorded sha256 (one full read).
+    Raises :class:`CheckpointInvalid`."""
+    for name, record in manifest["files"].items():
+        digest = _sha256_of(path / name)
+        if digest != record.get("sha256"):
+            raise CheckpointInvalid(path, f"{name} has sha256 {digest}, "
+                                          f"the manifest says {record.get('sha256')}")
 
 
 # ------------------------------------------------------------------------------- writing
@@ -232,6 +257,11 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of the file ``path``."""
+    return _sha256_of(path)
 
 
 def _sha256_of(path: Path) -> str:

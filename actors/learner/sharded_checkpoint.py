@@ -1,0 +1,543 @@
+"""Sharded asynchronous learner checkpoints: ``torch.distributed.checkpoint`` (DCP) written by
+nvidia-resiliency-ext's persistent checkpoint worker, one per rank, with the crash safety of
+:mod:`erlay.actors.learner.checkpoint`.
+
+**What is saved.** ``app_state`` is a dict with
+
+- ``"model"`` and ``"optimizer"``: DCP-able state dicts, as
+  ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` returns them
+  (DTensor shards under FSDP2, plain tensors on one rank).  They are saved with DCP, so they
+  load back on any rank count (:func:`load_sharded`).
+- any other keys ("plain" entries; the learner's are ``"step"``, ``"version"``,
+  ``"warm_started"``, ``"rng"``, ``"model_config"``, ``"format"``): picklable values that
+  ``torch.load(weights_only=True)`` reads back (ints, strings, tensors, dicts, lists, tuples).
+  Each rank writes its own as ``rank-XXXXX.pt``; ``"rng"`` is per rank, everything else is
+  taken from rank 0's file on load.
+
+``extra`` is small JSON metadata (journal snapshot, data position) stored in the manifest.
+
+**Where and in what order** (the stages a kill test strikes):
+
+1. ``save()``, on every rank of the default group, at the same step: rank 0 picks the nonce
+   of ``root/.tmp-step-XXXXXXXX-<nonce>`` and broadcasts it; DCP plans the save (one gather
+   and one scatter over the checkpoint's own gloo group), nvidia-resiliency-
+   ext's ``FileSystemWriterAsync`` turns the plan into this rank's write bucket, and a
+   background :class:`~erlay.actors.learner.snapshot.Snapshot` copies the bucket's tensors
+   into a shared-memory staging buffer, then queues the write for the rank's persistent worker
+   (``AsyncCallsQueue(persistent=True)``).  save() returns after planning.
+2. The worker writes ``__<rank>_0.distcp`` (NVRx's ``write_preloaded_data``, fsynced) and
+   ``rank-XXXXX.pt``, hashes both, then publishes its DCP write results and the files' sizes
+   and sha256 in ``.rank-XXXXX.results`` (renamed into place).  Any failure leaves
+   ``.rank-XXXXX.failed`` instead (failpoint ``learner.checkpoint_write``: a shard written,
+   not reported yet).
+3. ``poll()``, on every rank at the same points: one all-reduce over the checkpoint group
+   says whether every rank's worker is done and whether any failed.  Only then (all done, none
+   failed) the results are gathered to rank 0, which writes DCP's ``.metadata`` (fsynced),
+   then ``manifest.json`` (files, sizes, sha256, ``extra``, ``"layout": "sharded"``,
+   ``world_size``; failpoint ``learner.checkpoint_manifest`` just before), fsyncs the
+   directory and commits it with :func:`~erlay.actors.learner.checkpoint_commit.commit_dir`,
+   then keeps the newest ``keep`` (:func:`~erlay.actors.learner.checkpoint_commit.retire`).
+   Rank 0 broadcasts the outcome, so every rank returns the same steps or raises the same
+   :class:`~erlay.actors.learner.checkpoint.CheckpointSaveFailed`.
+
+A crash at any point leaves the old set of checkpoints or the old set plus the new one, never
+a half-written ``step-*``: nothing is named ``step-*`` before the manifest is complete, and a
+manifest is written only once every rank's files are fsynced.  Leftover ``.tmp-*``
+directories are ignored by readers and removed when the next checkpointer starts (rank 0).
+
+**Why a gloo group of its own.** The save's collectives (nonce, plan, done-agreement, result
+gather, outcome) run on the training thread, at save() and poll(), interleaved with training
+collectives; a dedicated gloo group keeps them on the CPU (the default group may be NCCL) and
+out of the training group's sequence (:func:`~erlay.actors.learner.sharded_load.
+checkpoint_group`).  Nothing runs collectives from a background thread.
+
+**The barrier.** As with the replicated checkpointer: after save() returns, modify neither
+the saved tensors (in place) nor the containers before :meth:`ShardedCheckpointer.
+wait_snapshot` returns; :meth:`ShardedCheckpointer.guard` makes ``optimizer.step()`` wait
+there.  A tensor modified during its copy fails the save, it is never written torn.  The
+exposed time is save()'s return (agreement, planning) plus any wait at the barrier.
+
+**A rank that dies mid-save** (its trainer) leaves the survivors blocked in the next
+checkpoint collective until the group's timeout (``timeout_s``); the learner's ``one_for_all``
+supervision restarts all ranks first, and the new incarnation's rank 0 removes the ``.tmp-``
+directory.  A *worker* that dies fails the save on every rank at the next agreement; the next
+save starts a new worker.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import queue
+import secrets
+import shutil
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
+    FileSystemWriterAsync,
+)
+from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+    save_state_dict_async_plan,
+)
+from torch import distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+
+from erlay.actors.learner.checkpoint import (
+    CheckpointSaveFailed,
+    _exit_with_parent,
+    _release_queues,
+    ensure_process_group,
+)
+from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root, retire
+from erlay.actors.learner.checkpoint_format import (
+    CHECKPOINT_FORMAT,
+    DCP_METADATA,
+    MANIFEST,
+    SHARDED,
+    TMP_PREFIX,
+    fsync_dir,
+    latest,
+    sha256_of,
+    step_dir_name,
+)
+from erlay.actors.learner.sharded_load import (
+    DCP_KEYS,
+    checkpoint_group,
+    forget_groups,
+    load_sharded,
+    rank_file,
+)
+from erlay.actors.learner.snapshot import Copier, Snapshot, StagingBuffer, unstage
+from erlay.supervisor.failpoints import FailpointError, failpoint
+
+__all__ = ["CheckpointSaveFailed", "ShardedCheckpointer", "load_sharded"]
+
+log = logging.getLogger("erlay.checkpoint")
+
+_POLL_INTERVAL_S = 0.05
+_DEFAULT_TIMEOUT_S = 600.0
+
+
+def _results_name(rank: int) -> str:
+    return f".rank-{rank:05d}.results"
+
+
+def _failed_name(rank: int) -> str:
+    return f".rank-{rank:05d}.failed"
+
+
+# --------------------------------------------------------------------------- the writer
+class _ShardWriter(FileSystemWriterAsync):
+    """NVRx's async DCP writer, planning this rank's whole shard into one file and leaving
+    every tensor uncopied: the snapshot copies them, in the background, into the staging
+    buffer (NVRx's own preparation would clone views on the training thread)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, thread_count=1, sync_files=True)
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        prefix = plan.storage_data.prefix
+        bytes_data, tensor_data = [], []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                bytes_data.append((item, data))
+            else:
+                tensor_data.append((item, data.detach()))
+        name = f"{prefix}0{DEFAULT_SUFFIX}"
+        self.write_buckets = [(os.path.join(self.checkpoint_dir, name), name,
+                               (bytes_data, tensor_data))] if plan.items else []
+        self.results_queue = None
+
+
+# ------------------------------------------------------------------- the worker's side
+def _file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+
+
+def _write_fsynced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _persist_shard(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, rank: int,
+                   plain: bytes, transforms: Any, parent: int) -> None:
+    """Runs in this rank's persistent worker: write the rank's shard (staged in ``buffer``)
+    and its plain entries into ``tmp_dir``, then publish the results (module docstring,
+    stage 2).  Never raises: a failure is published as ``.rank-XXXXX.failed``."""
+    _exit_with_parent(parent)
+    tmp = Path(tmp_dir)
+    try:
+        results: list[Any] = []
+        files: dict[str, dict[str, Any]] = {}
+        for index, bucket in enumerate(unstage(skeleton, buffer)):
+            done: queue.Queue[Any] = queue.Queue()
+            count: queue.Queue[int] = queue.Queue()
+            count.put(index)
+            FileSystemWriterAsync.write_preloaded_data([transforms], index, bucket, done,
+                                                       count, use_fsync=True)
+            _, written = done.get_nowait()
+            if isinstance(written, Exception):
+                raise written
+            results += written
+            files[bucket[1]] = _file_record(Path(bucket[0]))
+            failpoint("learner.checkpoint_write")
+        _write_fsynced(tmp / rank_file(rank), plain)
+        files[rank_file(rank)] = _file_record(tmp / rank_file(rank))
+        part = tmp / f"{_results_name(rank)}.part"
+        _write_fsynced(part, pickle.dumps((results, files)))
+        os.rename(part, tmp / _results_name(rank))
+    except Exception:  # noqa: BLE001 - published through the failed file, see above
+        try:
+            (tmp / _failed_name(rank)).write_text(traceback.format_exc())
+        except OSError:
+            pass  # the agreement fails a rank whose worker reported nothing
+
+
+# ------------------------------------------------------------------------ the checkpointer
+@dataclass
+class _InFlight:
+    """A save from save() to its commit, identical in kind on every rank."""
+
+    step: int
+    tmp: Path
+    extra: dict[str, Any]
+    writer: _ShardWriter
+    metadata: Any  # DCP's global metadata, on rank 0 only
+    snapshot: Snapshot
+    started: float
+    handed_over: threading.Event = field(default_factory=threading.Event)
+    handover_error: str | None = None
+    # This rank's part, once known: (finished, failure).  Kept, because the library reports
+    # a completion only once and the other ranks may still be writing then.
+    local: tuple[bool, str | None] = (False, None)
+
+
+class ShardedCheckpointer:
+    """Saves sharded learner states under ``root`` in the background, keeping the newest
+    ``keep``.  Collective: every rank of the default process group makes one on the same
+    ``root`` (a directory all ranks share), and calls save(), poll(), wait() and close() at
+    the same points.  Construction is not collective: rank 0 puts ``root`` back in order
+    after a crash (:func:`~erlay.actors.learner.checkpoint_commit.recover_root`), so only one
+    job may use a root at a time.  ``timeout_s`` bounds every checkpoint collective (a rank
+    that died mid-save)."""
+
+    def __init__(self, root: Path, keep: int = 3, *,
+                 timeout_s: float = _DEFAULT_TIMEOUT_S) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            recover_root(self.root)
+        newest = latest(self.root)
+        self._committed = newest.step if newest is not None else None
+        self._calls: AsyncCallsQueue | None = None
+        self._staging = StagingBuffer()
+        self._copier = Copier()
+        self._snapshot: Snapshot | None = None
+        self._inflight: _InFlight | None = None
+        self._group: Any = None
+        self._owns_group = False
+        self._closed = False
+
+    # ------------------------------------------------------------------------ public API
+    @property
+    def committed(self) -> int | None:
+        """The newest committed step under ``root`` (as of construction, then this
+        checkpointer's commits), or None; the same on every rank."""
+        return self._committed
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step being written, or None."""
+        return self._inflight.step if self._inflight is not None else None
+
+    @property
+    def last_snapshot(self) -> Snapshot | None:
+        """The newest save's snapshot (its timings: ``copy_s``, ``cpu_s``, ``waited_s``)."""
+        return self._snapshot
+
+    def save(self, step: int, app_state: dict[str, Any],
+             extra: dict[str, Any] | None = None) -> float:
+        """Collective: start saving ``app_state`` (module docstring) as the checkpoint of
+        ``step``; returns the seconds this rank was blocked here.
+
+        A save still in flight is waited for first (its failure is raised here).  ValueError
+        or TypeError at once for a non-JSON ``extra``, a state without ``"model"`` and
+        ``"optimizer"``, or plain entries that do not pickle.  Do not modify the saved tensors
+        before :meth:`wait_snapshot` returns.
+        """
+        started = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("this checkpointer is closed")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        missing = [key for key in DCP_KEYS if key not in app_state]
+        if missing:
+            raise ValueError(f"app_state lacks {missing}: a sharded checkpoint needs the "
+                             f"model's and the optimizer's state dicts")
+        extra = json.loads(json.dumps(extra or {}))  # fails now, not at the commit
+        plain = io.BytesIO()
+        torch.save({k: v for k, v in app_state.items() if k not in DCP_KEYS}, plain)
+        if self._inflight is not None:
+            waited_for = self._inflight.step
+            self._drain(timeout_s=None)  # collective, like save() itself
+            log.info("save of step %d waited %.2f s for step %d to commit", step,
+                     time.perf_counter() - started, waited_for)
+        self.wait_snapshot()  # the staging buffer is reused
+        self._owns_group = ensure_process_group() or self._owns_group
+        if self._group is None:
+            self._group = checkpoint_group(self.timeout_s)
+        nonce = [secrets.token_hex(4) if self.rank == 0 else None]
+        dist.broadcast_object_list(nonce, src=0, group=self._group)
+        tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{nonce[0]}"
+        writer = _ShardWriter(tmp)
+        state = {key: app_state[key] for key in DCP_KEYS}
+        _, metadata, _ = save_state_dict_async_plan(
+            state, writer, process_group=self._group, planner=DefaultSavePlanner())
+        snapshot = Snapshot(self._staging, writer.write_buckets)
+        self._snapshot = snapshot
+        inflight = _InFlight(step, tmp, extra, writer, metadata, snapshot, time.monotonic())
+        self._inflight = inflight
+        self._copier.submit(partial(self._snapshot_and_hand_over, inflight,
+                                    plain.getvalue()))
+        return time.perf_counter() - started
+
+    def wait_snapshot(self, timeout_s: float | None = None) -> float:
+        """The barrier: block until the newest save's tensors are copied; returns the seconds
+        blocked.  TimeoutError after ``timeout_s``."""
+        if self._snapshot is None:
+            return 0.0
+        return self._snapshot.wait(timeout_s)
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make every ``optimizer.step()`` first wait for the snapshot; returns the hook's
+        handle."""
+        def before_step(*_: Any) -> None:
+            waited = self.wait_snapshot()
+            if waited > 0.001:
+                log.info("optimizer step waited %.3f s for the checkpoint snapshot", waited)
+        return optimizer.register_step_pre_hook(before_step)
+
+    def poll(self) -> list[int]:
+        """Collective: commit the save in flight if every rank's worker has finished it;
+        returns the steps committed (oldest first).  One small all-reduce while a save is in
+        flight, nothing otherwise.  Raises :class:`CheckpointSaveFailed` on every rank for a
+        failed save."""
+        return self._advance()
+
+    def wait(self, timeout_s: float | None = None) -> list[int]:
+        """Collective: block until no save is in flight; returns the steps committed.
+        Raises :class:`CheckpointSaveFailed`, or TimeoutError after ``timeout_s`` (the save
+        stays in flight; the deadline is rank 0's, so all ranks give up together)."""
+        return self._drain(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Collective: wait for the save in flight, then stop the worker (and the process
+        group, if this checkpointer made it).  Raises what wait() raises."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout_s)
+        finally:
+            self._closed = True
+            if self._snapshot is not None:
+                self._snapshot.abort()
+            self._copier.stop()
+            self._stop_worker()
+            self._staging = StagingBuffer()
+            if self._owns_group and dist.is_initialized():
+                forget_groups()
+                dist.destroy_process_group()
+            self._owns_group = False
+
+    def __enter__(self) -> ShardedCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------- internals
+    def _snapshot_and_hand_over(self, inflight: _InFlight, plain: bytes) -> None:
+        """On the copy thread: copy the bucket's tensors, then (only if the copy is whole)
+        queue the write for the worker, starting the worker on the first save."""
+        try:
+            snapshot = inflight.snapshot
+            snapshot.run()
+            if snapshot.error is None:
+                request = AsyncRequest(
+                    async_fn=_persist_shard,
+                    async_fn_args=(str(inflight.tmp), snapshot.skeleton, self._staging.buffer,
+                                   self.rank, plain, inflight.writer.transforms, os.getpid()),
+                    finalize_fns=[])
+                if self._calls is None:
+                    self._calls = AsyncCallsQueue(persistent=True)
+                self._calls.schedule_async_request(request)
+        except Exception as exc:  # noqa: BLE001 - reported at the next agreement
+            inflight.handover_error = f"handing the save to the worker failed: {exc}"
+        finally:
+            inflight.handed_over.set()
+
+    def _local_state(self, inflight: _InFlight) -> tuple[bool, str | None]:
+        """(finished, failure) of this rank's part of the save, without blocking."""
+        if not inflight.local[0]:
+            inflight.local = self._look(inflight)
+        return inflight.local
+
+    def _look(self, inflight: _InFlight) -> tuple[bool, str | None]:
+        if not inflight.handed_over.is_set():
+            return False, None
+        reason = inflight.snapshot.error or inflight.handover_error
+        if reason is not None:
+            return True, reason
+        assert self._calls is not None
+        if self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True):
+            failed = inflight.tmp / _failed_name(self.rank)
+            if failed.exists():
+                return True, failed.read_text().strip().splitlines()[-1]
+            return True, None
+        if not self._worker_alive():
+            # Look once more: the worker may have reported completion and then exited.
+            if self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True):
+                return True, None
+            code = self._drop_worker()
+            return True, f"checkpoint worker died (exit code {code})"
+        return False, None
+
+    def _advance(self, deadline: float | None = None) -> list[int]:
+        inflight = self._inflight
+        if inflight is None:
+            return []
+        finished, reason = self._local_state(inflight)
+        give_up = deadline is not None and self.rank == 0 and time.monotonic() >= deadline
+        # [ranks not finished, ranks failed, rank 0 gives up]
+        votes = torch.tensor([int(not finished), int(reason is not None), int(give_up)])
+        dist.all_reduce(votes, group=self._group)
+        running, failed, gave_up = (int(v) for v in votes)
+        if running:
+            if gave_up:
+                raise TimeoutError(f"checkpoint of step {inflight.step} still in flight")
+            return []
+        outcome: list[Any] = [None]
+        if failed:
+            outcome = [f"{failed} rank(s) failed; rank {self.rank}: {reason}"
+                       if reason else f"{failed} rank(s) failed"]
+        else:
+            outcome = self._finalize(inflight)
+        self._inflight = None
+        if outcome[0] is not None:
+            if self.rank == 0:
+                shutil.rmtree(inflight.tmp, ignore_errors=True)
+            raise CheckpointSaveFailed(inflight.step, outcome[0])
+        self._committed = max(inflight.step, self._committed or 0)
+        log.info("sharded checkpoint of step %d committed after %.2f s", inflight.step,
+                 time.monotonic() - inflight.started)
+        return [inflight.step]
+
+    def _finalize(self, inflight: _InFlight) -> list[Any]:
+        """Every rank finished its files: gather their results to rank 0, which writes the
+        index and the manifest and commits; returns ``[None]`` or ``[why it failed]``, the
+        same on every rank."""
+        try:
+            mine: Any = pickle.loads((inflight.tmp / _results_name(self.rank)).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError) as exc:
+            mine = f"rank {self.rank}'s results are unreadable: {exc}"
+        gathered: list[Any] | None = [None] * dist.get_world_size(self._group) \
+            if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self._group)
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            assert gathered is not None
+            outcome = [self._commit(inflight, gathered)]
+        dist.broadcast_object_list(outcome, src=0, group=self._group)
+        return outcome
+
+    def _commit(self, inflight: _InFlight, gathered: list[Any]) -> str | None:
+        """Rank 0: write ``.metadata`` and the manifest, commit, retire (module docstring,
+        stage 3); returns None or why it failed."""
+        broken = [g for g in gathered if isinstance(g, str)]
+        if broken:
+            return broken[0]
+        tmp = inflight.tmp
+        try:
+            inflight.writer.finish(inflight.metadata, [results for results, _ in gathered])
+            files: dict[str, dict[str, Any]] = {}
+            for _, written in gathered:
+                files.update(written)
+            files[DCP_METADATA] = _file_record(tmp / DCP_METADATA)
+            for rank in range(len(gathered)):
+                (tmp / _results_name(rank)).unlink(missing_ok=True)
+            failpoint("learner.checkpoint_manifest")
+            manifest = {"format": CHECKPOINT_FORMAT, "layout": SHARDED,
+                        "world_size": len(gathered), "step": inflight.step,
+                        "created_unix": time.time(), "files": files, "extra": inflight.extra}
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+            commit_dir(tmp, self.root / step_dir_name(inflight.step))
+        except (OSError, FailpointError, RuntimeError, ValueError) as exc:
+            return f"finalizing failed: {type(exc).__name__}: {exc}"
+        retire(self.root, self.keep)
+        return None
+
+    def _drain(self, timeout_s: float | None) -> list[int]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        committed: list[int] = []
+        while self._inflight is not None:
+            committed += self._advance(deadline)
+            if self._inflight is not None:
+                time.sleep(_POLL_INTERVAL_S)
+        return committed
+
+    def _worker_alive(self) -> bool:
+        caller = self._calls.persistent_caller if self._calls is not None else None
+        process = getattr(caller, "process", None)
+        return process is not None and process.is_alive()
+
+    def _drop_worker(self) -> int | None:
+        """Forget a dead worker (the next save starts a new one); returns its exit code."""
+        assert self._calls is not None
+        caller = self._calls.persistent_caller
+        process = caller.process
+        caller.process = None
+        _release_queues(caller, flush=False)
+        self._calls = None
+        return process.exitcode if process is not None else None
+
+    def _stop_worker(self) -> None:
+        if self._calls is None:
+            return
+        caller = self._calls.persistent_caller
+        if caller is not None:
+            alive = self._worker_alive()
+            if alive:
+                caller.close()
+            caller.process = None
+            _release_queues(caller, flush=alive)
+        self._calls = None
+
+    def __del__(self) -> None:
+        # Never closed with a dead worker: the library's finalizer would wait for ever.
+        if getattr(self, "_calls", None) is not None and not self._worker_alive():
+            self._calls.persistent_caller.process = None  # type: ignore[union-attr]
