@@ -259,7 +259,8 @@ class RolloutCoordinator:
                 n += 1
         finally:
             await _cancel(generation.values())
-        await self._learner_call("wait_checkpoints")
+        await self._learner_call("wait_checkpoints",
+                                 all_ranks=self.cfg.learner.backend != "replicated")
         self.job.completed_steps = n
         self.progress.end()
 

@@ -24,20 +24,24 @@ is ``fsdp2``; the core calls it at a few fixed points.  Contracts:
   gather of the full weights (:meth:`Fsdp2Plan.refresh_host`); rank 0 keeps them in a host
   copy of the model, which serves ``publish``, ``versioned_weights`` and
   ``evaluate_logprobs`` on rank 0 alone without any collective.  Other ranks refuse those.
-- **Checkpoints** (the full-state fallback; docs/scaling.md): a save gathers the optimizer
-  state (a collective: every rank calls ``save_checkpoint``) to rank 0's host, which writes
-  it with the model weights from its host copy through the same asynchronous checkpointer as
-  the replicated learner.  The optimizer state is keyed by parameter name
-  (``optimizer_layout: fqn``), so a checkpoint moves between rank counts and between the
-  replicated and fsdp2 backends (:func:`optimizer_by_name`, :func:`optimizer_by_index`).
-
-May import: erlay.actors.model.
+- **Checkpoints** are sharded (:mod:`erlay.actors.learner.sharded_checkpoint`; every rank
+  saves its shards, a collective).  A restarted rank restores one in two halves: in its
+  constructor, alone, the whole weights and the timeline (step, version; what ``status`` and
+  rank 0's ``publish`` need before any collective), and at sharding, collectively, the
+  optimizer's and the model's shards, resharded to this rank count
+  (:meth:`Fsdp2Plan.shard` with ``pending_sharded``).  A whole (``state.pt``) checkpoint
+  loads too, before sharding (``pending_optimizer``): :meth:`LearnerCore.state` gives the
+  optimizer state keyed by parameter name (``optimizer_layout: fqn``), so a state moves
+  between rank counts and between the replicated and fsdp2 backends
+  (:func:`optimizer_by_name`, :func:`optimizer_by_index`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import random
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -188,6 +192,7 @@ class Fsdp2Plan:
         self.sharded = False
         self.host: nn.Module | None = None
         self.pending_optimizer: dict[str, Any] | None = None
+        self.pending_sharded: Path | None = None   # a sharded checkpoint to load at shard()
 
     def shard(self, model: nn.Module, reference: nn.Module | None, device: str,
               make_optimizer: Any) -> torch.optim.Optimizer:
@@ -208,6 +213,9 @@ class Fsdp2Plan:
         if self.pending_optimizer is not None:
             load_full_optimizer_state(model, optimizer, self.pending_optimizer)
             self.pending_optimizer = None
+        if self.pending_sharded is not None:
+            load_sharded_state(self.pending_sharded, model, optimizer)
+            self.pending_sharded = None
         self.sharded = True
         log.info("learner rank %d: fsdp2 sharded %d blocks over %d ranks (cpu_offload %s)",
                  self.rank, len(decoder_layers(model)), dist.get_world_size(),
@@ -269,6 +277,49 @@ class Fsdp2Plan:
             for s, t in zip(source.parameters(), target.parameters(), strict=True):
                 (t.to_local() if isinstance(t, DTensor) else t).copy_(
                     s.to_local() if isinstance(s, DTensor) else s)
+
+
+def sharded_app_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      plain: dict[str, Any]) -> dict[str, Any]:
+    """What :class:`~erlay.actors.learner.sharded_checkpoint.ShardedCheckpointer` saves:
+    the model's and optimizer's DCP state dicts (this rank's shards) and ``plain``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state, **plain}
+
+
+def load_sharded_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+                       ) -> dict[str, Any]:
+    """Load the sharded checkpoint ``path`` into the sharded ``model`` and ``optimizer``,
+    resharded to this rank count, and this rank's saved RNG state when the rank count is the
+    saved one; returns the plain entries.  Collective."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from erlay.actors.learner.sharded_load import load_sharded
+    app = sharded_app_state(model, optimizer, {})
+    load_sharded(path, app)
+    set_state_dict(model, optimizer, model_state_dict=app["model"],
+                   optim_state_dict=app["optimizer"])
+    rng = app.get("rng")
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(_python_rng(rng["python"]))
+    return {k: v for k, v in app.items() if k not in ("model", "optimizer")}
+
+
+def read_sharded_whole(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Every rank alone, before sharding: fill the whole ``model`` from the sharded
+    checkpoint ``path`` (every rank's shards consolidated) and return its plain entries
+    (rank 0's: step, version, ...)."""
+    from erlay.actors.learner.sharded_load import load_full_model, rank_file
+    load_full_model(path, model.state_dict())
+    return dict(torch.load(path / rank_file(0), map_location="cpu", weights_only=True))
+
+
+def _python_rng(state: Any) -> tuple:
+    """``random.getstate()`` back from its saved form (``torch.load`` may give lists)."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
 
 
 def _host_copy(model: nn.Module) -> nn.Module:

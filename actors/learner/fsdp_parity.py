@@ -66,13 +66,15 @@ def _rank_main(rank: int, world: int, port: int, out: str, target: Any, args: tu
 
 
 def spawn_ranks(world: int, target: Any, *args: Any) -> list[Any]:
-    """Run ``target(rank, world, port, *args)`` in ``world`` fresh processes that can form a
+    """Run ``target(rank, world, port, *args)`` in ``world`` forked processes that can form a
     gloo group on loopback at ``port``; returns each rank's result (picklable), by rank.
-    A rank that fails raises here (torch.multiprocessing's ProcessRaisedException)."""
+    A rank that fails raises here (torch.multiprocessing's ProcessRaisedException).  Forked,
+    not spawned: the children start with torch and transformers already imported (seconds
+    per process on a small CPU); the caller must hold no process group of its own."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank_main, args=(world, free_port(), out, target, args), nprocs=world,
-                 join=True)
+        mp.start_processes(_rank_main, args=(world, free_port(), out, target, args),
+                           nprocs=world, join=True, start_method="fork")
         return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 

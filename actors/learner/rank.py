@@ -17,15 +17,20 @@ its peers.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
 from erlay.actors.learner.checkpoint import AsyncCheckpointer, ensure_process_group, latest, load
-from erlay.actors.learner.core import LearnerCore, TrainBatch
+from erlay.actors.learner.checkpoint_format import SHARDED
+from erlay.actors.learner.core import STATE_FORMAT, LearnerCore, TrainBatch
+from erlay.actors.learner.fsdp import full_model_state, read_sharded_whole, sharded_app_state
 from erlay.actors.learner.ledger import LearnerLedger
+from erlay.actors.model.build import shape_of
 from erlay.supervisor import failpoints
 from erlay.supervisor.failpoints import Action, failpoint
 
@@ -43,9 +48,12 @@ class Learner(LearnerCore):
     ``model.hf``.  With ``checkpoint_dir``, a new incarnation restores the newest committed
     checkpoint there before it serves (every rank loads the same one: one_for_all restarts
     them together), and :meth:`save_checkpoint` saves asynchronously into it.  With
-    ``backend: fsdp2`` every rank reads the same whole checkpoint before its model is sharded
-    (no collective in a constructor), and saving is a collective: every rank calls
-    :meth:`save_checkpoint`, rank 0 writes.
+    ``backend: fsdp2`` checkpoints are sharded and saving, polling and waiting are
+    collectives: every rank calls :meth:`save_checkpoint`, :meth:`train_step` and
+    :meth:`wait_checkpoints` at the same points.  A restarted fsdp2 rank reads the whole
+    weights and its timeline alone in its constructor (no collective there: the supervisor
+    starts ranks one at a time) and loads its optimizer's and model's shards when it shards
+    (:mod:`erlay.actors.learner.fsdp`).
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
@@ -64,10 +72,13 @@ class Learner(LearnerCore):
                 self.reference = self._frozen_copy()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_keep = checkpoint_keep
-        self._checkpointer: AsyncCheckpointer | None = None
+        self._checkpointer: Any = None   # AsyncCheckpointer, or ShardedCheckpointer (fsdp2)
         self.restored: dict[str, Any] | None = None
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
-        if info is not None:
+        if info is not None and info.layout == SHARDED:
+            self._restore_sharded_whole(info.path)
+            self.restored = {"step": info.step, "path": str(info.path), **info.extra}
+        elif info is not None:
             state, extra = load(info.path)
             self.load_state(state)
             self.restored = {"step": info.step, "path": str(info.path), **extra}
@@ -78,6 +89,46 @@ class Learner(LearnerCore):
         self.ledger = LearnerLedger(ledger_path) if ledger_path and self.rank == 0 else None
         if self.ledger is not None:
             self.ledger.started(self._step, self.restored is not None)
+
+    def _restore_sharded_whole(self, path: Path) -> None:
+        """The constructor's half of restoring a sharded checkpoint (class docstring): the
+        whole weights and the timeline, this rank alone; the shards wait for sharding."""
+        if self._fsdp is None:
+            raise ValueError(f"{path} is a sharded checkpoint (saved by learner.backend fsdp2); "
+                             f"resume it with backend fsdp2, or turn it into an HF directory "
+                             f"with erlay export")
+        plain = read_sharded_whole(path, self.model)
+        if self.reference is not None:
+            self.reference.load_state_dict(plain.get("reference") or self.model.state_dict())
+        self._step, self._version = int(plain["step"]), int(plain["version"])
+        self._warm_started = bool(plain.get("warm_started", True))
+        self._fsdp.pending_sharded = path
+
+    def _sharded_plain(self) -> dict[str, Any]:
+        """A sharded checkpoint's plain entries (rank 0's are the ones loaded back); the
+        frozen reference, when there is one, gathered whole to rank 0 (collective)."""
+        return {"format": STATE_FORMAT, "model_config": shape_of(self.model),
+                "step": self._step, "version": self._version,
+                "warm_started": self._warm_started,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "reference": None if self.reference is None else
+                full_model_state(self.reference)}
+
+    def _save_sharded(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`save_checkpoint` for fsdp2: every rank saves its shards (collective)."""
+        from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+        started = time.perf_counter()
+        with self._lock:
+            self._ready()
+            if self._checkpointer is None:
+                self._checkpointer = ShardedCheckpointer(self.checkpoint_dir,
+                                                         keep=self.checkpoint_keep)
+                self._checkpointer.guard(self.optimizer)
+            self._checkpointer.poll()   # commit finished saves first: `committed` is current
+            self._checkpointer.save(self._step, sharded_app_state(
+                self.model, self.optimizer, self._sharded_plain()), extra)
+        return {"step": self._step, "exposed_s": time.perf_counter() - started,
+                "committed": self._checkpointer.committed}
 
     def train_step(self, batch: dict[str, Any] | TrainBatch,
                    expected_step: int | None = None) -> dict[str, float]:
@@ -109,8 +160,8 @@ class Learner(LearnerCore):
         waits for it (:meth:`AsyncCheckpointer.guard`); persisting and the atomic commit
         happen in the checkpoint worker process.  Only rank 0 saves (ranks
         hold identical state after every step); other ranks return at once.  fsdp2: every
-        rank must call it (the whole optimizer state is gathered to rank 0's host, which
-        is the exposed cost; the written state is already a copy).  Returns
+        rank calls it and saves its shards (:class:`ShardedCheckpointer`; a chaos ``delay``
+        armed here is not applied to its write).  Returns
         ``{step, exposed_s, committed}`` with the newest committed step so far.
         """
         if self.checkpoint_dir is None or (self.rank != 0 and self._fsdp is None):
@@ -121,33 +172,26 @@ class Learner(LearnerCore):
         write_delay_s = armed.delay_s if armed and armed.action is Action.DELAY else 0.0
         if not write_delay_s:
             failpoint("learner.checkpoint")
-        started = time.perf_counter()
-        gathered = None
         if self._fsdp is not None:
-            with self._lock:   # collective: whole state gathered to rank 0's host
-                gathered = self._state_locked(copied=True)
-            if self.rank != 0:
-                return {"step": self._step, "exposed_s": time.perf_counter() - started,
-                        "committed": None}
+            return self._save_sharded(extra or {})
         if self._checkpointer is None:
             if self.world_size > 1:
                 self._ensure_group()
             ensure_process_group()
             self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
-            if gathered is None:   # a gathered state is a copy: no step can tear it
-                self._checkpointer.guard(self.optimizer)
+            self._checkpointer.guard(self.optimizer)
         self._checkpointer.poll()  # commit finished saves first, so `committed` is current
-        if gathered is None:
-            started = time.perf_counter()  # exposed: recording the state and the hand-off
+        started = time.perf_counter()  # exposed here: recording the state and the hand-off
         with self._lock:  # the state's structure is read between steps
-            self._checkpointer.save(self._step, gathered or self._state_locked(copied=False),
-                                    extra or {}, write_delay_s=write_delay_s)
+            self._checkpointer.save(self._step, self._state_locked(copied=False), extra or {},
+                                    write_delay_s=write_delay_s)
         exposed = time.perf_counter() - started
         return {"step": self._step, "exposed_s": exposed,
                 "committed": self._checkpointer.committed}
 
     def wait_checkpoints(self) -> int | None:
-        """Block until every save is committed; the newest committed step."""
+        """Block until every save is committed; the newest committed step.  fsdp2: a
+        collective, every rank calls it."""
         if self._checkpointer is not None:
             self._checkpointer.wait()
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
@@ -171,8 +215,15 @@ class Learner(LearnerCore):
         peers fail fast, not by timeout."""
         if self._checkpointer is not None:
             try:
-                self._checkpointer.wait()
-                self._checkpointer.close()
+                if self._fsdp is not None and self._checkpointer.in_flight is not None:
+                    # Waiting is a collective, and peers shut down on their own schedule:
+                    # the save in flight is given up (the last committed one stands), and
+                    # its worker ends with this rank's process group.
+                    log.warning("learner rank %d: shutting down with the save of step %d "
+                                "uncommitted", self.rank, self._checkpointer.in_flight)
+                else:
+                    self._checkpointer.wait()
+                    self._checkpointer.close()
             except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask
                 log.error("learner rank %d: pending checkpoint failed at shutdown: %s",
                           self.rank, exc)

@@ -116,3 +116,73 @@ def test_decoder_layers_are_the_blocks_of_hf_lora_and_builtin_models(
 def test_an_unknown_backend_is_refused(spec: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="megatron"):
         LearnerCore(spec, backend="megatron")
+
+
+def _sharded_incarnations(rank: int, world: int, port: int, spec: dict[str, Any],
+                          batches: list[Any], root: str, port2: int) -> dict[str, Any]:
+    """Learner ranks (the actor class, without Ray) with sharded checkpoints: the first
+    incarnation trains step 0, saves (every rank), trains step 1 and shuts down; the second
+    restores in its constructor and answers ``status`` and rank 0's weights before any
+    collective, refuses step 2, and trains step 1 again."""
+    from erlay.actors.learner.rank import Learner
+    options = {"lr": 1e-4, "backend": "fsdp2", "rank": rank, "world_size": world,
+               "checkpoint_dir": root}
+    first = Learner(spec, master_port=port, **options)
+    first.train_step(batches[0], expected_step=0)
+    saved = first.save_checkpoint({"journal_snapshot": "snap-1"})
+    committed = first.wait_checkpoints()
+    after_save = first.weights() if rank == 0 else None
+    first.train_step(batches[1], expected_step=1)
+    trained = first.weights() if rank == 0 else None
+    first.erlay_terminate()
+    second = Learner(spec, master_port=port2, **options)
+    status = second.status()
+    restored_weights = second.weights() if rank == 0 else None   # no peer needed
+    stale = second.train_step(batches[1], expected_step=2)
+    second.train_step(batches[1], expected_step=1)
+    out = {"saved_step": saved["step"], "committed": committed, "status": status,
+           "stale": bool(stale.get("stale_step")), "after_save": after_save,
+           "restored": restored_weights, "trained": trained,
+           "retrained": second.weights() if rank == 0 else None}
+    second.erlay_terminate()
+    return out
+
+
+def _one_rank_resume(rank: int, world: int, port: int, spec: dict[str, Any],
+                     batch: Any, root: str) -> dict[str, Any]:
+    from erlay.actors.learner.rank import Learner
+    learner = Learner(spec, lr=1e-4, backend="fsdp2", rank=rank, world_size=world,
+                      master_port=port, checkpoint_dir=root)
+    learner.train_step(batch, expected_step=1)
+    out = {"weights": learner.weights()}
+    learner.erlay_terminate()
+    return out
+
+
+def test_a_sharded_checkpoint_restarts_two_ranks_and_reshards_onto_one(
+        spec: dict[str, Any], tmp_path: Path) -> None:
+    """one_for_all's restart of an fsdp2 learner: the checkpoint is sharded (each rank its
+    shards), the restarted ranks report its step and serve its weights before any collective
+    (the coordinator asks rank 0 alone), refuse a step past it (the coordinator then feeds
+    the steps since it again), and retrain to the same weights; on one rank it reshards and
+    trains the same step.  The second batch leaves rank 1 nothing to train (idle pass)."""
+    from erlay.actors.learner.checkpoint_format import SHARDED, latest
+    vocab = vocab_of(spec)
+    batches = [parity_batch(vocab, seed=1), parity_batch(vocab, seed=2, idle_rows=(2, 3))]
+    root = tmp_path / "checkpoints"
+    ranks = spawn_ranks(2, _sharded_incarnations, spec, batches, str(root), free_port())
+    info = latest(root)
+    assert info is not None and info.layout == SHARDED and info.world_size == 2
+    assert info.step == 1 and info.extra["journal_snapshot"] == "snap-1"
+    for r in ranks:
+        assert r["saved_step"] == 1 and r["committed"] == 1 and r["stale"]
+        assert (r["status"]["step"], r["status"]["committed"]) == (1, 1)
+        assert r["status"]["restored"]["step"] == 1
+    zero = ranks[0]
+    assert max_abs_diff(zero["after_save"], zero["restored"]) == 0.0
+    assert max_abs_diff(zero["trained"], zero["retrained"]) <= 1e-6
+    # Planted: the step after the checkpoint moved the weights, so "trained" cannot pass
+    # for the restored ones.
+    assert max_abs_diff(zero["trained"], zero["restored"]) > TOLERANCE
+    (one,) = spawn_ranks(1, _one_rank_resume, spec, batches[1], str(root))
+    assert max_abs_diff(zero["trained"], one["weights"]) <= TOLERANCE
