@@ -79,7 +79,10 @@ def shard_module(model: nn.Module, mesh: Any, *, cpu_offload: bool,
         fully_shard,
         register_fsdp_forward_method,
     )
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory speeds the copies to a GPU; there is none to copy to on a CPU
+    # device, and pinning needs an accelerator.
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload \
+        else OffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     offload_policy=offload)

@@ -49,6 +49,17 @@ def test_two_fsdp2_ranks_take_the_step_one_whole_learner_takes(spec: dict[str, A
     assert result["equivalent"]
 
 
+def test_lora_mtp_kl_cpu_offload_and_zero2_take_the_same_step_too(
+        spec: dict[str, Any]) -> None:
+    """The wrappers and options around the sharded blocks: LoRA adapters (only they train),
+    MTP heads trained beside the policy (``hidden`` as an FSDP forward method), a sharded
+    frozen reference for the KL term, CPU offload, and blocks kept gathered after forward."""
+    result = run_parity({**spec, "lora": {"r": 4}, "mtp_heads": 2}, options={
+        "mtp_loss_weight": 0.5, "kl_coef": 0.1, "fsdp_cpu_offload": True,
+        "fsdp_reshard_after_forward": False})
+    assert result["equivalent"], result["max_abs_diff"]
+
+
 def test_the_equivalence_check_flags_a_planted_difference() -> None:
     a = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.ones(2, dtype=np.float32)}
     b = {k: v.copy() for k, v in a.items()}
