@@ -14,8 +14,15 @@ policy from the config and loads the checkpoint's weights into it, then writes
   (:class:`~erlay.actors.model.tokenizer.CharTokenizer`) is erlay's own, not a
   ``transformers`` one, so no tokenizer files are written.
 
-Every failure a user can cause (no run directory, no such step, no adapter to export) raises
-:class:`ExportError` with one line.
+A sharded checkpoint (``learner.backend: fsdp2``,
+:mod:`~erlay.actors.learner.sharded_checkpoint`) is consolidated first: its model shards,
+whatever rank count saved them, are loaded with ``torch.distributed.checkpoint`` in this one
+process, without a process group, into the policy rebuilt on the CPU
+(:func:`~erlay.actors.learner.sharded_load.load_full_model`, every file's sha256 checked), and
+exported as above.
+
+Every failure a user can cause (no run directory, no such step, no adapter to export, a
+checkpoint that cannot be read) raises :class:`ExportError` with one line.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     ``out_dir`` (module docstring).  Raises :class:`ExportError`."""
     from erlay.actors.job.modelplan import plan_model
     from erlay.actors.learner.checkpoint_format import (
+        SHARDED,
         CheckpointInvalid,
         latest,
         list_checkpoints,
@@ -69,18 +77,36 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
         info = found[step]
     try:
         plan = plan_model(load_config(run / "config.yaml"))
-        state, _ = load(info.path)
+        if info.layout == SHARDED:
+            weights = _consolidate(plan.spec, plan.is_hf, info.path)
+        else:
+            weights = load(info.path)[0]["model"]
     except (ConfigError, CheckpointInvalid) as exc:
+        raise ExportError(str(exc).splitlines()[0]) from None
+    except ModelLoadError as exc:
         raise ExportError(str(exc)) from None
     out = Path(out_dir)
     try:
         if not plan.is_hf:
-            return Exported(_export_builtin(plan.spec, state["model"], out, adapter),
+            return Exported(_export_builtin(plan.spec, weights, out, adapter),
                             info.step, "builtin")
-        return Exported(_export_hf(plan.spec, state["model"], out, adapter), info.step,
+        return Exported(_export_hf(plan.spec, weights, out, adapter), info.step,
                         "adapter" if adapter else "merged")
     except ModelLoadError as exc:
         raise ExportError(str(exc)) from None
+
+
+def _consolidate(spec: dict, is_hf: bool, path: Path) -> dict:
+    """The whole model state of the sharded checkpoint ``path``, in the run's policy's names
+    (the state dict of the policy rebuilt on the CPU, filled from every rank's shards)."""
+    from erlay.actors.learner.sharded_load import load_full_model
+    from erlay.actors.model.build import build_policy
+
+    # The checkpoint holds every weight: skip reading the pretrained ones first.
+    policy = build_policy({**spec, "init": "random"} if is_hf else spec)
+    weights = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    load_full_model(path, weights)
+    return weights
 
 
 def _export_hf(spec: dict, weights: dict, out: Path, adapter: bool) -> Path:

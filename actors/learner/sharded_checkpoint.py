@@ -255,6 +255,7 @@ class ShardedCheckpointer:
         self._copier = Copier()
         self._snapshot: Snapshot | None = None
         self._inflight: _InFlight | None = None
+        self._unreported: list[int] = []  # committed while save() waited
         self._group: Any = None
         self._owns_group = False
         self._closed = False
@@ -300,7 +301,7 @@ class ShardedCheckpointer:
         torch.save({k: v for k, v in app_state.items() if k not in DCP_KEYS}, plain)
         if self._inflight is not None:
             waited_for = self._inflight.step
-            self._drain(timeout_s=None)  # collective, like save() itself
+            self._unreported += self._drain(timeout_s=None)  # collective, like save()
             log.info("save of step %d waited %.2f s for step %d to commit", step,
                      time.perf_counter() - started, waited_for)
         self.wait_snapshot()  # the staging buffer is reused
@@ -343,13 +344,15 @@ class ShardedCheckpointer:
         returns the steps committed (oldest first).  One small all-reduce while a save is in
         flight, nothing otherwise.  Raises :class:`CheckpointSaveFailed` on every rank for a
         failed save."""
-        return self._advance()
+        steps, self._unreported = self._unreported + self._advance(), []
+        return steps
 
     def wait(self, timeout_s: float | None = None) -> list[int]:
         """Collective: block until no save is in flight; returns the steps committed.
         Raises :class:`CheckpointSaveFailed`, or TimeoutError after ``timeout_s`` (the save
         stays in flight; the deadline is rank 0's, so all ranks give up together)."""
-        return self._drain(timeout_s)
+        steps, self._unreported = self._unreported + self._drain(timeout_s), []
+        return steps
 
     def close(self, timeout_s: float | None = None) -> None:
         """Collective: wait for the save in flight, then stop the worker (and the process

@@ -1,8 +1,9 @@
 """One rank of a sharded-checkpoint scenario, run as a process by the sharded checkpoint tests:
 ``python -m tests.actors.learner.sharded_ranks SCENARIO RANK WORLD PORT DIR [ARGS...]``.
 
-The model is a tiny HF Llama (``DIR/model``, written by the test), ``fully_shard``-ed per
-decoder layer and then the root over a gloo group on 127.0.0.1, trained with AdamW.  Rank 0
+The model is the erlay policy of the run directory ``DIR/run`` (its ``config.yaml`` names a
+tiny HF Llama the test wrote), ``fully_shard``-ed per decoder layer and then the root over a
+gloo group on 127.0.0.1, trained with AdamW on a made-up loss.  Rank 0
 prints what the test checks, one line each; failpoints come from ``ERLAY_FAILPOINTS``.
 
 Scenarios:
@@ -30,14 +31,16 @@ import torch
 from torch import distributed as dist
 
 
-def build(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(run_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+
+    from erlay.actors.config import load_config
+    from erlay.actors.job.modelplan import plan_model
+    from erlay.actors.model.build import build_policy
+    model = build_policy(plan_model(load_config(run_dir / "config.yaml")).spec, seed=0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
+    for layer in model.backbone.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -45,8 +48,10 @@ def build(model_dir: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
-    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
-    model(input_ids=ids, labels=ids).loss.backward()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 8), generator=generator)
+    positions = torch.arange(8).expand(2, 8)
+    logits, _ = model(ids, positions, torch.ones_like(ids, dtype=torch.bool))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -144,7 +149,7 @@ def main(argv: list[str]) -> None:
     os.environ.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
     directory_path = Path(directory)
-    model, optimizer = build(directory_path / "model")
+    model, optimizer = build(directory_path / "run")
     if scenario == "save":
         train_step(model, optimizer, seed=0)
         save(model, optimizer, directory_path, Path(argv[5]), int(argv[6]))
