@@ -197,3 +197,11 @@ def test_a_sharded_checkpoint_restarts_two_ranks_and_reshards_onto_one(
     assert max_abs_diff(zero["trained"], zero["restored"]) > TOLERANCE
     (one,) = spawn_ranks(1, _one_rank_resume, spec, batches[1], str(root))
     assert max_abs_diff(zero["trained"], one["weights"]) <= TOLERANCE
+    # The chaos invariant checkpoints_intact verifies sharded checkpoints, and sees a torn one.
+    from erlay.chaos.gather import checkpoint_problems
+    assert checkpoint_problems(root) == [(1, None)]
+    shard = next(info.path.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert checkpoint_problems(root)[0][1] is not None
