@@ -20,6 +20,9 @@ Contracts:
   float summation order).  The process group forms lazily, at the first collective, because
   the supervisor starts children one at a time and a rank that blocked in its constructor
   waiting for its peers would never let the next one start.
+- **fsdp2** (``backend="fsdp2"``): the same batch split and loss scaling, but the model is
+  sharded over the ranks, lazily like the group, and FSDP reduces the gradients; rank 0
+  serves the weights alone.  :mod:`erlay.actors.learner.fsdp` states what changes.
 """
 
 from __future__ import annotations
