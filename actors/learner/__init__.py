@@ -1,7 +1,10 @@
 """The learner: GRPO updates, the rank actor, and asynchronous checkpoints.
 
 - :mod:`.grpo`: GRPO's arithmetic as pure torch functions;
+- :mod:`.batch`: :class:`TrainBatch` and the batch arithmetic (schedule, staleness, shards);
 - :mod:`.core`: :class:`LearnerCore`, the learner's state and update rules, without Ray;
+- :mod:`.fsdp`: ``backend: fsdp2``, the policy sharded with FSDP2 over the ranks;
+  :mod:`.fsdp_parity`: the check that the sharded step equals one whole learner's;
 - :mod:`.rank`: :class:`Learner`, a rank as a supervised actor child (weights through the
   Ray object store);
 - :mod:`.checkpoint` and :mod:`.checkpoint_format`: async checkpoints on
