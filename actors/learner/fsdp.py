@@ -114,11 +114,33 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
                                                                 cpu_offload=True))
 
 
+def unstepped_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped yet the state a first step would create, with
+    its step counts at 0: what ``torch.distributed.checkpoint`` needs to save or load it.
+
+    Its own initialisation (``get_state_dict`` on an empty state) takes a zero-gradient step
+    at lr 0, which leaves Adam's ``step`` at 1: the first real step's bias correction would
+    then shrink it by a quarter, so a learner that saved before training would train
+    differently from one that did not.  Adam with step 0 and zero moments steps exactly as
+    with no state."""
+    if optimizer.state:
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    _init_optim_state(optimizer)
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
+
+
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
                          ) -> dict[str, Any]:
     """The whole optimizer state, keyed by parameter name, as host tensors on rank 0 (empty
     elsewhere).  Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    unstepped_state(optimizer)
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
         full_state_dict=True, cpu_offload=True))
 
@@ -232,7 +254,10 @@ class Fsdp2Plan:
         model's from the host copy, current after every update; the optimizer's name-keyed).
         Collective (the optimizer and reference gathers): every rank calls it."""
         ref = None if reference is None else full_model_state(reference)
-        optim = full_optimizer_state(model, optimizer)
+        # Copies: on a CPU device the gather may hand back the live tensors (one rank, or
+        # the unsharded scalars such as Adam's step count), which the next step changes.
+        optim = copy.deepcopy(full_optimizer_state(model, optimizer))
+        ref = copy.deepcopy(ref)
         weights = {} if self.host is None else {k: v.detach().clone() for k, v in
                                                 self.host.state_dict().items()}
         return weights, ref, optim
@@ -287,6 +312,7 @@ def sharded_app_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     """What :class:`~erlay.actors.learner.sharded_checkpoint.ShardedCheckpointer` saves:
     the model's and optimizer's DCP state dicts (this rank's shards) and ``plain``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    unstepped_state(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optim_state, **plain}
 
