@@ -23,6 +23,7 @@ import pickle
 import random
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,16 +66,24 @@ def _rank_main(rank: int, world: int, port: int, out: str, target: Any, args: tu
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def spawn_ranks(world: int, target: Any, *args: Any) -> list[Any]:
+def spawn_ranks(world: int, target: Any, *args: Any, timeout_s: float = 240.0) -> list[Any]:
     """Run ``target(rank, world, port, *args)`` in ``world`` forked processes that can form a
     gloo group on loopback at ``port``; returns each rank's result (picklable), by rank.
-    A rank that fails raises here (torch.multiprocessing's ProcessRaisedException).  Forked,
-    not spawned: the children start with torch and transformers already imported (seconds
-    per process on a small CPU); the caller must hold no process group of its own."""
+    A rank that fails raises here (torch.multiprocessing's ProcessRaisedException); ranks
+    still running after ``timeout_s`` (a hung collective) are killed and TimeoutError is
+    raised.  Forked, not spawned: the children start with torch and transformers already
+    imported (seconds per process on a small CPU); the caller must hold no process group."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank_main, args=(world, free_port(), out, target, args),
-                           nprocs=world, join=True, start_method="fork")
+        context = mp.start_processes(_rank_main, args=(world, free_port(), out, target, args),
+                                     nprocs=world, join=False, start_method="fork")
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"{world} ranks did not finish within {timeout_s:g} s")
         return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
