@@ -18,13 +18,16 @@ nvidia-resiliency-ext's persistent checkpoint worker, one per rank, with the cra
 
 **Where and in what order** (the stages a kill test strikes):
 
-1. ``save()``, on every rank of the default group, at the same step: rank 0 picks the nonce
-   of ``root/.tmp-step-XXXXXXXX-<nonce>`` and broadcasts it; DCP plans the save (one gather
-   and one scatter over the checkpoint's own gloo group), nvidia-resiliency-
-   ext's ``FileSystemWriterAsync`` turns the plan into this rank's write bucket, and a
-   background :class:`~erlay.actors.learner.snapshot.Snapshot` copies the bucket's tensors
-   into a shared-memory staging buffer, then queues the write for the rank's persistent worker
-   (``AsyncCallsQueue(persistent=True)``).  save() returns after planning.
+1. ``save()``, on every rank of the default group, at the same step: one all-reduce over the
+   checkpoint's own gloo group agrees on rank 0's nonce for ``root/.tmp-step-XXXXXXXX-<nonce>``
+   and on whether any rank's state layout (keys, dtypes, shapes, placements) changed; DCP
+   plans the save (a gather and a scatter over that group) on the first two saves and after
+   a layout change, and otherwise NVRx's plan cache (``CheckpointMetadataCache``) reuses the
+   plan without a collective.  NVRx's ``FileSystemWriterAsync`` turns the plan into this
+   rank's write bucket, and a background :class:`~erlay.actors.learner.snapshot.Snapshot`
+   copies the bucket's tensors into a shared-memory staging buffer, then queues the write for
+   the rank's persistent worker (``AsyncCallsQueue(persistent=True)``).  save() returns
+   after planning.
 2. The worker writes ``__<rank>_0.distcp`` (NVRx's ``write_preloaded_data``, fsynced) and
    ``rank-XXXXX.pt``, hashes both, then publishes its DCP write results and the files' sizes
    and sha256 in ``.rank-XXXXX.results`` (renamed into place).  Any failure leaves
@@ -77,6 +80,7 @@ import shutil
 import threading
 import time
 import traceback
+import zlib
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -88,12 +92,14 @@ from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
     FileSystemWriterAsync,
 )
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+    CheckpointMetadataCache,
     save_state_dict_async_plan,
 )
 from torch import distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from erlay.actors.learner.checkpoint import (
     CheckpointSaveFailed,
@@ -150,13 +156,20 @@ class _ShardWriter(FileSystemWriterAsync):
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         prefix = plan.storage_data.prefix
+        flat = getattr(planner, "state_dict", {})  # the planner's flattened state
         bytes_data, tensor_data = [], []
         for item in plan.items:
-            data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                bytes_data.append((item, data))
+                bytes_data.append((item, planner.resolve_data(item)))
+                continue
+            value = flat.get(item.index.fqn)
+            if type(value) is DTensor and item.index.index in (None, 0):
+                # What resolve_data returns (to_local(), a view), without its autograd
+                # call per tensor: the same storage and version counter.
+                data = value._local_tensor
             else:
-                tensor_data.append((item, data.detach()))
+                data = planner.resolve_data(item)
+            tensor_data.append((item, data.detach()))
         name = f"{prefix}0{DEFAULT_SUFFIX}"
         self.write_buckets = [(os.path.join(self.checkpoint_dir, name), name,
                                (bytes_data, tensor_data))] if plan.items else []
@@ -210,6 +223,30 @@ def _persist_shard(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, rank: int,
 
 
 # ------------------------------------------------------------------------ the checkpointer
+def _layout_of(state: Any) -> int:
+    """A checksum of ``state``'s structure: keys, and each tensor's type, dtype, and global
+    and local shape (a different sharding changes the latter); values are left out.  Equal
+    layouts plan equally."""
+    parts: list[str] = []
+
+    def walk(obj: Any, where: str) -> None:
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(value, f"{where}.{key}")
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(value, f"{where}[{i}]")
+        elif isinstance(obj, torch.Tensor):
+            local = getattr(obj, "_local_tensor", obj)  # a DTensor's shard, else itself
+            parts.append(f"{where}:{type(obj).__name__}:{obj.dtype}:{tuple(obj.shape)}:"
+                         f"{tuple(local.shape)}")
+        else:
+            parts.append(f"{where}:{type(obj).__name__}")
+
+    walk(state, "")
+    return zlib.crc32("\n".join(parts).encode())
+
+
 @dataclass
 class _InFlight:
     """A save from save() to its commit, identical in kind on every rank."""
@@ -257,6 +294,8 @@ class ShardedCheckpointer:
         self._inflight: _InFlight | None = None
         self._unreported: list[int] = []  # committed while save() waited
         self._group: Any = None
+        self._plans = CheckpointMetadataCache()  # NVRx's cache of DCP's save plans
+        self._layout: int | None = None          # this rank's state layout when planned
         self._owns_group = False
         self._closed = False
 
@@ -308,13 +347,21 @@ class ShardedCheckpointer:
         self._owns_group = ensure_process_group() or self._owns_group
         if self._group is None:
             self._group = checkpoint_group(self.timeout_s)
-        nonce = [secrets.token_hex(4) if self.rank == 0 else None]
-        dist.broadcast_object_list(nonce, src=0, group=self._group)
-        tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{nonce[0]}"
-        writer = _ShardWriter(tmp)
         state = {key: app_state[key] for key in DCP_KEYS}
+        layout = _layout_of(state)
+        # One all-reduce: rank 0's nonce for the directory, and whether any rank's layout
+        # changed since the cached plan was made (then every rank plans afresh).
+        agreed = torch.tensor([secrets.randbits(31) if self.rank == 0 else 0,
+                               int(layout != self._layout)], dtype=torch.int64)
+        dist.all_reduce(agreed, group=self._group)
+        if int(agreed[1]):
+            self._plans = CheckpointMetadataCache()
+        self._layout = layout
+        tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{int(agreed[0]):08x}"
+        writer = _ShardWriter(tmp)
         _, metadata, _ = save_state_dict_async_plan(
-            state, writer, process_group=self._group, planner=DefaultSavePlanner())
+            state, writer, process_group=self._group, planner=DefaultSavePlanner(),
+            enable_cache=True, metadata_cache=self._plans)
         snapshot = Snapshot(self._staging, writer.write_buckets)
         self._snapshot = snapshot
         inflight = _InFlight(step, tmp, extra, writer, metadata, snapshot, time.monotonic())

@@ -46,7 +46,9 @@ def checkpoint_group(timeout_s: float) -> Any:
     the first caller in this process (per default group and timeout).  Checkpoint
     collectives run there, on the CPU, apart from the training group's sequence."""
     key = (id(dist.distributed_c10d._get_default_group()), timeout_s)
-    if key not in _GROUPS:
+    # A group destroyed since (destroy_process_group ends them all) is made again: a new
+    # default group may reuse the old one's id.
+    if key not in _GROUPS or _GROUPS[key] not in dist.distributed_c10d._world.pg_map:
         _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return _GROUPS[key]
 

@@ -8,10 +8,10 @@ prints what the test checks, one line each; failpoints come from ``ERLAY_FAILPOI
 
 Scenarios:
 
-- ``save ROOT STEP``: one train step, then save ``STEP`` (rank 0 first writes the whole state
-  it saves to ``DIR/ref-STEP.pt``), a second train step that changes every tensor while the
-  save is in flight (after the barrier), then wait: prints ``committed [...]`` or
-  ``failed: <reason>``.
+- ``save ROOT STEP...``: one train step, then for each ``STEP`` a save and a train step that
+  changes every tensor while the save is in flight (after the barrier; rank 0 first writes
+  the whole state of the last save to ``DIR/ref-STEP.pt``), then wait: prints ``committed
+  [...]`` (every step committed, the last wait's included) or ``failed: <reason>``.
 - ``load PATH REF [ROOT STEP]``: load the checkpoint ``PATH`` into a fresh sharded model and
   optimizer on this rank count; rank 0 prints ``equal`` when the whole model and optimizer
   state equal ``REF`` exactly, else ``differs: <key>``, then ``rng same|kept`` and the plain
@@ -96,16 +96,20 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
 
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
-         root: Path, step: int) -> None:
+         root: Path, steps: list[int]) -> None:
+    """Save each of ``steps`` in turn, a train step after each (the third save of a
+    checkpointer reuses its cached plan); the reference is the last step's."""
     from erlay.actors.learner.checkpoint import CheckpointSaveFailed
     from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
-    reference = whole(model, optimizer)
-    if dist.get_rank() == 0:
-        torch.save(reference, directory / f"ref-{step}.pt")
     checkpointer = ShardedCheckpointer(root, keep=1)
     checkpointer.guard(optimizer)
-    checkpointer.save(step, app_state(model, optimizer, step), {"data_position": step * 8})
-    train_step(model, optimizer, seed=step + 1)  # waits at the barrier, then changes all
+    for step in steps:
+        if step == steps[-1]:
+            reference = whole(model, optimizer)
+            if dist.get_rank() == 0:
+                torch.save(reference, directory / f"ref-{step}.pt")
+        checkpointer.save(step, app_state(model, optimizer, step), {"data_position": step * 8})
+        train_step(model, optimizer, seed=step + 1)  # waits at the barrier, changes all
     try:
         committed = checkpointer.wait(timeout_s=120)
         report(f"committed {committed}")
@@ -152,11 +156,11 @@ def main(argv: list[str]) -> None:
     model, optimizer = build(directory_path / "run")
     if scenario == "save":
         train_step(model, optimizer, seed=0)
-        save(model, optimizer, directory_path, Path(argv[5]), int(argv[6]))
+        save(model, optimizer, directory_path, Path(argv[5]), [int(s) for s in argv[6:]])
     elif scenario == "load":
         load(model, optimizer, Path(argv[5]), Path(argv[6]))
         if len(argv) > 7:
-            save(model, optimizer, directory_path, Path(argv[7]), int(argv[8]))
+            save(model, optimizer, directory_path, Path(argv[7]), [int(argv[8])])
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.destroy_process_group()

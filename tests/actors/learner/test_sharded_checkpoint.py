@@ -62,13 +62,13 @@ def ranks(world: int, scenario: str, directory: Path, *args: str,
 
 @dataclass
 class Saved:
-    directory: Path      # the scenario directory (run/, ref-1.pt)
+    directory: Path      # the scenario directory (run/, ref-3.pt)
     run: Path            # an erlay run directory; its checkpoints/ holds step 1
     source: Path         # the HF model directory the run starts from
 
     @property
     def step_dir(self) -> Path:
-        return self.run / "checkpoints" / "step-00000001"
+        return self.run / "checkpoints" / "step-00000003"
 
 
 def make_run(directory: Path) -> Path:
@@ -83,22 +83,23 @@ def make_run(directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
-    """Step 1 of an FSDP2 policy on 2 ranks, saved while its next step trains."""
+    """Steps 1, 2, 3 of an FSDP2 policy on 2 ranks (the third from the cached save plan),
+    each saved while the next step trains; ``keep=1`` leaves step 3."""
     directory = tmp_path_factory.mktemp("sharded")
     run = make_run(directory)
-    codes, outs, errs = ranks(2, "save", directory, str(run / "checkpoints"), "1")
+    codes, outs, errs = ranks(2, "save", directory, str(run / "checkpoints"), "1", "2", "3")
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
-    assert outs[0].splitlines() == ["committed [1]"], errs[0][-3000:]
+    assert outs[0].splitlines() == ["committed [1, 2, 3]"], errs[0][-3000:]
     return Saved(directory, run, directory / "model")
 
 
 # ------------------------------------------------------------------------------ readers
 def test_a_two_rank_save_is_one_complete_sharded_checkpoint(saved: Saved) -> None:
     root = saved.run / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
     info = latest(root)
-    assert info is not None and info.step == 1
-    assert (info.layout, info.world_size, info.extra) == (SHARDED, 2, {"data_position": 8})
+    assert info is not None and info.step == 3
+    assert (info.layout, info.world_size, info.extra) == (SHARDED, 2, {"data_position": 24})
     assert set(info.files) == {".metadata", "__0_0.distcp", "__1_0.distcp",
                                "rank-00000.pt", "rank-00001.pt"}
     assert sorted(p.name for p in info.path.iterdir()) == sorted([*info.files,
@@ -120,27 +121,27 @@ def test_saved_on_two_ranks_loads_on_one_exactly(saved: Saved, tmp_path: Path) -
     differs`` shows the check fails when nothing is loaded)."""
     shutil.copytree(saved.run, tmp_path / "run")  # the ranks build the policy from run/
     codes, outs, errs = ranks(1, "load", tmp_path, str(saved.step_dir),
-                              str(saved.directory / "ref-1.pt"))
+                              str(saved.directory / "ref-3.pt"))
     assert codes == [0], errs[0][-3000:]
     assert outs[0].splitlines() == [
         "fresh differs", "equal", "rng kept",
-        "plain step=1 version=11 extra={'data_position': 8}"]
+        "plain step=3 version=13 extra={'data_position': 24}"]
 
 
 @pytest.mark.slow  # the 2 -> 1 test above covers resharding; this is the other direction
 def test_saved_on_one_rank_loads_on_two_exactly(saved: Saved, tmp_path: Path) -> None:
-    """The one rank that loaded step 1 saves it as step 2, and 1 -> 2 gives it back."""
-    reference = str(saved.directory / "ref-1.pt")
+    """The one rank that loaded step 3 saves it as step 4, and 1 -> 2 gives it back."""
+    reference = str(saved.directory / "ref-3.pt")
     shutil.copytree(saved.run, tmp_path / "run")
     codes, outs, errs = ranks(1, "load", tmp_path, str(saved.step_dir), reference,
-                              str(tmp_path / "again"), "2")
+                              str(tmp_path / "again"), "4")
     assert codes == [0], errs[0][-3000:]
-    assert outs[0].splitlines()[-1] == "committed [2]"
-    codes, outs, errs = ranks(2, "load", tmp_path, str(tmp_path / "again" / "step-00000002"),
+    assert outs[0].splitlines()[-1] == "committed [4]"
+    codes, outs, errs = ranks(2, "load", tmp_path, str(tmp_path / "again" / "step-00000004"),
                               reference)
     assert codes == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     assert outs[0].splitlines() == ["fresh differs", "equal", "rng kept",
-                                    "plain step=2 version=12 extra={'data_position': 16}"]
+                                    "plain step=4 version=14 extra={'data_position': 32}"]
 
 
 # ------------------------------------------------------------------------- in one process
@@ -217,13 +218,13 @@ def test_export_consolidates_the_two_shards_into_one_hf_directory(saved: Saved,
                                                                   tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
     done = export_run(saved.run, tmp_path / "out")
-    assert (done.step, done.kind) == (1, "merged")
+    assert (done.step, done.kind) == (3, "merged")
     files = {p.name for p in done.out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json",
             "tokenizer_config.json"} <= files
     exported = AutoModelForCausalLM.from_pretrained(done.out, local_files_only=True)
     pretrained = AutoModelForCausalLM.from_pretrained(saved.source, local_files_only=True)
-    saved_model = torch.load(saved.directory / "ref-1.pt", weights_only=False)["model"]
+    saved_model = torch.load(saved.directory / "ref-3.pt", weights_only=False)["model"]
     weights, before = exported.state_dict(), pretrained.state_dict()
     assert weights.keys() == before.keys()
     for name, value in weights.items():
@@ -237,7 +238,7 @@ def test_an_unreadable_sharded_checkpoint_exports_as_one_line_and_exit_2(
     from erlay.supervisor.cli import main
     run = tmp_path / "run"
     shutil.copytree(saved.run, run)
-    shard = run / "checkpoints" / "step-00000001" / "__1_0.distcp"
+    shard = run / "checkpoints" / "step-00000003" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
     shard.write_bytes(bytes(data))
