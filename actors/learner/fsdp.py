@@ -11,7 +11,9 @@ is ``fsdp2``; the core calls it at a few fixed points.  Contracts:
   step, an SFT warm start, a checkpoint save, a state read): ``fully_shard`` on each
   transformer block (:func:`decoder_layers`), then on the root, and a new AdamW over the
   sharded (DTensor) parameters.  An optimizer state loaded before that waits and is applied
-  to the new optimizer, resharded to this rank count.
+  to the new optimizer, resharded to this rank count.  So each rank holds the whole model
+  once, at start: sharding divides the steady state (parameters between steps, gradients,
+  optimizer state), not that peak (no meta-device construction yet).
 - **Gradients.** FSDP reduce-scatters each block's gradients in backward and averages them
   over ranks: the core's manual all-reduce is skipped, and its loss scaling (each rank's
   token sum over the global token count, times the rank count) makes that average the
