@@ -117,8 +117,9 @@ def fsdp_rank_resume(rank: int, world: int, port: int, spec: dict[str, Any],
     (a collective) to the file ``checkpoint``, ranks train ``batches[1]``; then a new
     incarnation (a new group at ``port2``) loads that file before it shards, as a restarted
     rank does in its constructor, is asked for step 2 (it must answer ``stale_step``), and
-    trains ``batches[1]`` again.  Rank 0 returns both incarnations' weights after the second
-    step; every rank says whether it refused to serve weights (all but rank 0 must)."""
+    trains ``batches[1]`` again; then loads the file once more, sharded now, and trains it
+    again.  Rank 0 returns the weights after each of the three second steps; every rank says
+    whether it refused to serve weights (all but rank 0 must)."""
     import torch.distributed as dist
     first = _learner(spec, rank, world, port, "fsdp2", options)
     first.train_step(batches[0], expected_step=0)
@@ -138,8 +139,13 @@ def fsdp_rank_resume(rank: int, world: int, port: int, spec: dict[str, Any],
     second.load_state(pickle.loads(Path(checkpoint).read_bytes()))
     stale = second.train_step(batches[1], expected_step=2)
     second.train_step(batches[1], expected_step=1)
-    out = {"weights": weights, "resumed": second.weights() if rank == 0 else None,
-           "refused": refused, "stale": bool(stale.get("stale_step"))}
+    resumed = second.weights() if rank == 0 else None
+    # Loading again once sharded (a collective): the same step gives the same weights.
+    second.load_state(pickle.loads(Path(checkpoint).read_bytes()))
+    second.train_step(batches[1], expected_step=1)
+    out = {"weights": weights, "resumed": resumed, "refused": refused,
+           "reloaded": second.weights() if rank == 0 else None,
+           "stale": bool(stale.get("stale_step"))}
     second.close()
     return out
 

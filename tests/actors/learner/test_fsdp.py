@@ -86,6 +86,7 @@ def test_fsdp2_restart_resumes_the_same_timeline_on_two_ranks_and_on_one(
     assert all(r["stale"] for r in ranks)
     before, resumed = ranks[0]["weights"], ranks[0]["resumed"]
     assert max_abs_diff(before, resumed) <= 1e-6
+    assert max_abs_diff(before, ranks[0]["reloaded"]) <= 1e-6
     state = pickle.loads(checkpoint.read_bytes())
     assert state["optimizer_layout"] == "fqn" and state["step"] == 1
     whole = LearnerCore(spec, **options)
