@@ -20,7 +20,7 @@ nvidia-resiliency-ext's persistent checkpoint worker, one per rank, with the cra
 
 1. ``save()``, on every rank of the default group, at the same step: one all-reduce over the
    checkpoint's own gloo group agrees on rank 0's nonce for ``root/.tmp-step-XXXXXXXX-<nonce>``
-   and on whether any rank's state layout (keys, dtypes, shapes, placements) changed; DCP
+   and on whether any rank's state layout (keys, dtypes, global and local shapes) changed; DCP
    plans the save (a gather and a scatter over that group) on the first two saves and after
    a layout change, and otherwise NVRx's plan cache (``CheckpointMetadataCache``) reuses the
    plan without a collective.  NVRx's ``FileSystemWriterAsync`` turns the plan into this
@@ -61,7 +61,8 @@ there.  A tensor modified during its copy fails the save, it is never written to
 exposed time is save()'s return (agreement, planning) plus any wait at the barrier.
 
 **A rank that dies mid-save** (its trainer) leaves the survivors blocked in the next
-checkpoint collective until the group's timeout (``timeout_s``); the learner's ``one_for_all``
+checkpoint collective until gloo reports the lost peer or the group's timeout (``timeout_s``)
+ends it; the learner's ``one_for_all``
 supervision restarts all ranks first, and the new incarnation's rank 0 removes the ``.tmp-``
 directory.  A *worker* that dies fails the save on every rank at the next agreement; the next
 save starts a new worker.
@@ -546,9 +547,12 @@ class ShardedCheckpointer:
                 os.fsync(f.fileno())
             fsync_dir(tmp)
             commit_dir(tmp, self.root / step_dir_name(inflight.step))
-        except (OSError, FailpointError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must hear the outcome
             return f"finalizing failed: {type(exc).__name__}: {exc}"
-        retire(self.root, self.keep)
+        try:
+            retire(self.root, self.keep)
+        except (OSError, FailpointError) as exc:  # the save is committed all the same
+            log.error("could not retire old checkpoints under %s: %s", self.root, exc)
         return None
 
     def _drain(self, timeout_s: float | None) -> list[int]:
