@@ -143,6 +143,21 @@ def shard(indices: list[int], parts: int, index: int) -> list[int]:
     return indices[start:start + base + (1 if index < extra else 0)]
 
 
+def rank_minibatches(rows: int, minibatches: int, world_size: int, rank: int
+                     ) -> list[list[int]]:
+    """The rows ``rank`` trains in each of ``minibatches`` optimiser steps.
+
+    Minibatch ``j`` is the whole batch's contiguous slice ``j``, split over the ranks; so the
+    ranks together train exactly the rows one learner would in its step ``j``, and N ranks
+    take the same steps as one learner at every ``minibatches``.  (Splitting the batch over
+    ranks first and each rank's part into minibatches would pair different rows in each
+    step.)  Some lists may be empty; every rank still takes every step.
+    """
+    everything = list(range(rows))
+    return [shard(shard(everything, minibatches, j), world_size, rank)
+            for j in range(minibatches)]
+
+
 def pad_rows(rows: list[list[Any]], width: int, dtype: torch.dtype) -> torch.Tensor:
     """Right-pad ragged rows with zeros (False) to ``[len(rows), width]``."""
     out = torch.zeros((len(rows), width), dtype=dtype)

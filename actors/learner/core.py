@@ -44,6 +44,7 @@ from torch import distributed as dist
 from erlay.actors.learner.batch import (
     TrainBatch,
     pad_rows,
+    rank_minibatches,
     rl_learning_rate,
     shard,
     staleness_stats,
@@ -64,8 +65,8 @@ from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.learner")
 
-__all__ = ["LearnerCore", "TrainBatch", "pad_rows", "rl_learning_rate", "shard",
-           "staleness_stats"]
+__all__ = ["LearnerCore", "TrainBatch", "pad_rows", "rank_minibatches", "rl_learning_rate",
+           "shard", "staleness_stats"]
 
 STATE_FORMAT = 1
 LOOPBACK = "127.0.0.1"
@@ -206,8 +207,7 @@ class LearnerCore:
             rewards = torch.tensor(tb.rewards, dtype=torch.float32)
             valid = None if tb.valid is None else torch.tensor(tb.valid, dtype=torch.bool)
             advantages = group_advantages(rewards, tb.group_size, valid=valid)
-            mine = shard(list(range(len(tb))), self.world_size, self.rank)
-            chunks = [shard(mine, self.minibatches, j) for j in range(self.minibatches)]
+            chunks = rank_minibatches(len(tb), self.minibatches, self.world_size, self.rank)
             fixed = [self._fixed_logprobs(tb, c, with_prox=j > 0)
                      for j, c in enumerate(chunks)]
             self.progress.tick()

@@ -63,6 +63,7 @@ from torch import distributed as dist
 from erlay.actors.learner.core import (
     TrainBatch,
     pad_rows,
+    rank_minibatches,
     rl_learning_rate,
     shard,
     staleness_stats,
@@ -330,8 +331,7 @@ class MegatronLearner:
             rewards = torch.tensor(tb.rewards, dtype=torch.float32)
             valid = None if tb.valid is None else torch.tensor(tb.valid, dtype=torch.bool)
             advantages = group_advantages(rewards, tb.group_size, valid=valid)
-            mine = shard(list(range(len(tb))), self.dp, self._dp_rank)
-            chunks = [shard(mine, self.minibatches, j) for j in range(self.minibatches)]
+            chunks = rank_minibatches(len(tb), self.minibatches, self.dp, self._dp_rank)
             fixed = []
             with torch.no_grad():
                 for chunk in chunks:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from erlay.actors.learner.core import LearnerCore, TrainBatch, shard
+from erlay.actors.learner.core import LearnerCore, TrainBatch, rank_minibatches, shard
 from erlay.actors.model.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -78,6 +78,21 @@ def test_nan_behaviour_logprob_is_rejected_only_on_trained_tokens() -> None:
     mask = [[True] * len(c) for c in batch.completion_ids]
     mask[2][0] = False
     replace(batch, behaviour_logprobs=behaviour, loss_mask=mask)  # accepted
+
+
+@pytest.mark.parametrize(("rows", "minibatches", "world"), [(8, 2, 2), (7, 3, 2), (5, 2, 3),
+                                                             (4, 1, 2), (3, 4, 2)])
+def test_ranks_train_together_exactly_the_rows_of_each_single_learner_minibatch(
+        rows: int, minibatches: int, world: int) -> None:
+    single = rank_minibatches(rows, minibatches, 1, 0)
+    for j in range(minibatches):
+        together = [i for r in range(world) for i in rank_minibatches(rows, minibatches,
+                                                                      world, r)[j]]
+        assert together == single[j]
+    # The old pairing (each rank's part of the batch, then minibatches of it) fails this.
+    mine = [shard(list(range(8)), 2, r) for r in range(2)]
+    old = [[i for part in mine for i in shard(part, 2, j)] for j in range(2)]
+    assert old != rank_minibatches(8, 2, 1, 0)
 
 
 def test_shards_cover_the_indices_once_in_order() -> None:

@@ -49,6 +49,14 @@ def test_two_fsdp2_ranks_take_the_step_one_whole_learner_takes(spec: dict[str, A
     assert result["equivalent"]
 
 
+def test_two_ranks_take_one_learners_steps_with_several_minibatches(
+        spec: dict[str, Any]) -> None:
+    """Each optimiser step of the RL step trains the same rows on 2 ranks as on 1."""
+    batch = parity_batch(vocab_of(spec), groups=2, group_size=4)
+    result = run_parity(spec, batch=batch, options={"minibatches": 2})
+    assert result["equivalent"], result["max_abs_diff"]
+
+
 def test_lora_mtp_kl_cpu_offload_and_zero2_take_the_same_step_too(
         spec: dict[str, Any]) -> None:
     """The wrappers and options around the sharded blocks: LoRA adapters (only they train),
