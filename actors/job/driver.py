@@ -112,14 +112,6 @@ def learner_backend_kwargs(cfg: JobConfig) -> dict[str, Any]:
     return kwargs
 
 
-def free_port() -> int:
-    """A free TCP port on loopback, for the learner ranks' process group."""
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def step_line(record: dict[str, Any], total: int) -> str:
     """The progress line of one RL step record: step (1-based, of ``total``), mean reward
     (``-`` when no sample was judged), generated tokens per second (the step's own rate,
@@ -267,7 +259,9 @@ class Job:
         # supervisor.telemetry), so its spans join the job's traces.
         opts: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
         declared = declared_env(cfg.node)  # hosts forward it to all they spawn
-        master_port = free_port()
+        # The ranks meet at rank 0's node, which Ray picks: rank 0 announces its address
+        # under this job's key (erlay.actors.learner.rendezvous).
+        rendezvous = f"learner-master:{self.run_dir.path.resolve()}"
         learner_opts = {**opts, "num_gpus": cfg.learner.num_gpus} if cfg.learner.num_gpus \
             else opts
         learners = [ChildSpec(f"learner-{r}", ActorStart(learner_class(cfg), args=(model,),
@@ -276,7 +270,7 @@ class Job:
             max_grad_norm=cfg.learner.max_grad_norm, clip_eps=cfg.learner.clip_eps,
             is_cap=cfg.learner.is_cap, kl_coef=cfg.learner.kl_coef, seed=cfg.run.seed,
             torch_threads=cfg.learner.torch_threads, minibatches=cfg.learner.minibatches,
-            rank=r, world_size=cfg.learner.num_ranks, master_port=master_port,
+            rank=r, world_size=cfg.learner.num_ranks, rendezvous=rendezvous,
             temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
             lr_min_ratio=cfg.learner.lr_min_ratio, mtp_loss_weight=cfg.learner.mtp_loss_weight,
             checkpoint_dir=str(self.run_dir.checkpoints), ledger_path=str(self.run_dir.ledger),

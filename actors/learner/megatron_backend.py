@@ -125,8 +125,8 @@ class MegatronLearner:
                  ledger_path: str | None = None, init_model_dir: str | None = None,
                  tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  data_parallel: int | None = None, backend: str = "megatron",
-                 fsdp_cpu_offload: bool = False, fsdp_reshard_after_forward: bool = True
-                 ) -> None:
+                 fsdp_cpu_offload: bool = False, fsdp_reshard_after_forward: bool = True,
+                 rendezvous: str | None = None) -> None:
         # backend and fsdp_*: the keywords the driver gives every learner; fsdp_* are unused.
         if backend != "megatron":
             raise ValueError(f"MegatronLearner runs learner.backend megatron, not {backend!r}")
@@ -152,6 +152,10 @@ class MegatronLearner:
         self.dp = world_size // (tensor_parallel * pipeline_parallel)
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
+        self._rendezvous = rendezvous   # rank 0's address via Ray (learner.rendezvous)
+        if rendezvous is not None and rank == 0:
+            from erlay.actors.learner.rendezvous import announce_master
+            self.master_addr, self.master_port = announce_master(rendezvous)
         self.dist_timeout_s = dist_timeout_s
         self.dtype = _DTYPES.get(str(model_config.get("dtype", "float32")), torch.float32)
         # The rank's device: its GPU.  Only a test that patches megatron's CUDA calls (and
@@ -207,6 +211,10 @@ class MegatronLearner:
             torch.cuda.set_device(0)
             self.device = torch.device("cuda", 0)
         if not dist.is_initialized():
+            if self._rendezvous is not None and self.rank != 0:
+                from erlay.actors.learner.rendezvous import lookup_master
+                self.master_addr, self.master_port = lookup_master(self._rendezvous,
+                                                                   self.dist_timeout_s)
             os.environ["MASTER_ADDR"] = self.master_addr
             os.environ["MASTER_PORT"] = str(self.master_port)
             if self.master_addr == LOOPBACK:

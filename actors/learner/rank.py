@@ -17,6 +17,7 @@ its peers.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -30,6 +31,12 @@ from erlay.actors.learner.checkpoint_format import SHARDED
 from erlay.actors.learner.core import STATE_FORMAT, LearnerCore, TrainBatch
 from erlay.actors.learner.fsdp import full_model_state, read_sharded_whole, sharded_app_state
 from erlay.actors.learner.ledger import LearnerLedger
+from erlay.actors.learner.rendezvous import (
+    announce_master,
+    interface_of,
+    lookup_master,
+    node_address,
+)
 from erlay.actors.model.build import shape_of
 from erlay.supervisor import failpoints
 from erlay.supervisor.failpoints import Action, failpoint
@@ -58,8 +65,13 @@ class Learner(LearnerCore):
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
                  init_model_dir: str | None = None, ledger_path: str | None = None,
-                 **kwargs: Any) -> None:
+                 rendezvous: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # With a rendezvous key the ranks meet at rank 0's node, wherever Ray placed it
+        # (erlay.actors.learner.rendezvous); without one, at master_addr:master_port.
+        self._rendezvous = rendezvous
+        if rendezvous is not None and self.rank == 0:
+            self.master_addr, self.master_port = announce_master(rendezvous)
         if init_model_dir is not None:
             # Start from the weights the vllm engines serve (a GPT-2 directory); a checkpoint,
             # if any, replaces them below.
@@ -129,6 +141,18 @@ class Learner(LearnerCore):
                 self.model, self.optimizer, self._sharded_plain()), extra)
         return {"step": self._step, "exposed_s": time.perf_counter() - started,
                 "committed": self._checkpointer.committed}
+
+    def _ensure_group(self) -> None:
+        """Form the group at rank 0's announced address (rendezvous), on the interface that
+        holds this node's address."""
+        if not self._group_ready and self._rendezvous is not None:
+            if self.rank != 0:
+                self.master_addr, self.master_port = lookup_master(self._rendezvous,
+                                                                   self.dist_timeout_s)
+            interface = interface_of(node_address())
+            if interface is not None:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        super()._ensure_group()
 
     def train_step(self, batch: dict[str, Any] | TrainBatch,
                    expected_step: int | None = None) -> dict[str, float]:

@@ -33,9 +33,11 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(ray_local: None) -> Iterator[list[Any]]:
     """Refs to ranks 0 and 1 of one learner, siblings under a one_for_all supervisor."""
-    port = free_port()
+    # The ranks meet as the job's do: rank 0 announces its node's address and a port
+    # (erlay.actors.learner.rendezvous), rank 1 looks it up.
+    key = f"test-rank-{free_port()}"
     specs = [ChildSpec(f"learner-{r}", ActorStart(Learner, kwargs={
-        "model_config": MODEL, "seed": 5, "rank": r, "world_size": 2, "master_port": port,
+        "model_config": MODEL, "seed": 5, "rank": r, "world_size": 2, "rendezvous": key,
         "dist_timeout_s": 60.0})) for r in range(2)]
     tree = SupervisionTree("t", SupervisorFlags("one_for_all"), specs).start()
     try:
