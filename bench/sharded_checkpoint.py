@@ -92,6 +92,7 @@ def rank_main(args: argparse.Namespace) -> None:
     rows: list[dict[str, float]] = []
     for repeat in range(2, args.repeats + 2):
         row = {"step_s": step()}
+        dist.barrier(group)  # as before the sync save: no rank's lag counts as exposed
         started = time.perf_counter()
         saved = state()
         row["state_dict_s"] = time.perf_counter() - started
