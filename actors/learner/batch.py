@@ -10,6 +10,7 @@ May import: (nothing of erlay).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -156,6 +157,34 @@ def rank_minibatches(rows: int, minibatches: int, world_size: int, rank: int
     everything = list(range(rows))
     return [shard(shard(everything, minibatches, j), world_size, rank)
             for j in range(minibatches)]
+
+
+# Loss statistics averaged over minibatches, weighted by their token counts.
+TOKEN_WEIGHTED = ("loss", "clip_fraction", "is_weight_mean", "is_weight_max_hit_fraction",
+                  "kl", "ratio_mean", "approx_kl")
+
+
+def step_metrics(tb: TrainBatch, *, step: int, version: int, start_version: int, lr: float,
+                 sums: dict[str, float], local_tokens: int, global_tokens: int,
+                 grad_norms: list[float], started: float) -> dict[str, Any]:
+    """The metrics of one RL step, the same for every backend: loss statistics as token
+    means of this rank's ``sums`` (statistic x tokens, per minibatch), the mean pre-clip
+    gradient norm over minibatches, the batch's reward statistics and the fraction of groups
+    whose rewards are all equal (no advantage), and staleness against ``start_version``."""
+    rewards = torch.tensor(tb.rewards, dtype=torch.float32)
+    groups = rewards.view(-1, tb.group_size)
+    flat = (groups.max(dim=1).values == groups.min(dim=1).values).float()
+    return {
+        "step": step, "version": version, "lr": lr,
+        **{k: v / max(local_tokens, 1) for k, v in sums.items()},
+        "grad_norm": sum(grad_norms) / len(grad_norms), "tokens": global_tokens,
+        "completions": len(tb), "groups": len(tb) // tb.group_size,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "zero_advantage_group_fraction": float(flat.mean()),
+        **staleness_stats(tb.versions, start_version),
+        "time_s": time.perf_counter() - started,
+    }
 
 
 def pad_rows(rows: list[list[Any]], width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -42,12 +42,14 @@ import torch
 from torch import distributed as dist
 
 from erlay.actors.learner.batch import (
+    TOKEN_WEIGHTED,
     TrainBatch,
     pad_rows,
     rank_minibatches,
     rl_learning_rate,
     shard,
     staleness_stats,
+    step_metrics,
 )
 from erlay.actors.learner.fsdp import (
     FQN_LAYOUT,
@@ -70,9 +72,6 @@ __all__ = ["LearnerCore", "TrainBatch", "pad_rows", "rank_minibatches", "rl_lear
 
 STATE_FORMAT = 1
 LOOPBACK = "127.0.0.1"
-# Loss statistics averaged over minibatches, weighted by their token counts.
-_TOKEN_WEIGHTED = ("loss", "clip_fraction", "is_weight_mean", "is_weight_max_hit_fraction",
-                   "kl", "ratio_mean", "approx_kl")
 
 
 class LearnerCore:
@@ -211,13 +210,13 @@ class LearnerCore:
             fixed = [self._fixed_logprobs(tb, c, with_prox=j > 0)
                      for j, c in enumerate(chunks)]
             self.progress.tick()
-            sums = dict.fromkeys(_TOKEN_WEIGHTED, 0.0)
+            sums = dict.fromkeys(TOKEN_WEIGHTED, 0.0)
             local_tokens = global_tokens = 0
             grad_norms = []
             for chunk, (prox, ref) in zip(chunks, fixed, strict=True):
                 n_local, n_global, stats, norm = self._minibatch(tb, chunk, advantages,
                                                                  prox, ref)
-                for key in _TOKEN_WEIGHTED:
+                for key in TOKEN_WEIGHTED:
                     sums[key] += stats.get(key, 0.0) * n_local
                 for key in stats:
                     if key.startswith("mtp_"):   # the heads' loss and accuracy, per step
@@ -229,19 +228,10 @@ class LearnerCore:
             self._step += 1
             self._version += 1
             self._updated()
-            groups = rewards.view(-1, tb.group_size)
-            flat = (groups.max(dim=1).values == groups.min(dim=1).values).float()
-            metrics = {
-                "step": self._step, "version": self._version, "lr": lr,
-                **{k: v / max(local_tokens, 1) for k, v in sums.items()},
-                "grad_norm": sum(grad_norms) / len(grad_norms), "tokens": global_tokens,
-                "completions": len(tb), "groups": len(tb) // tb.group_size,
-                "reward_mean": float(rewards.mean()),
-                "reward_std": float(rewards.std(unbiased=False)),
-                "zero_advantage_group_fraction": float(flat.mean()),
-                **staleness_stats(tb.versions, start_version),
-                "time_s": time.perf_counter() - started,
-            }
+            metrics = step_metrics(tb, step=self._step, version=self._version,
+                                   start_version=start_version, lr=lr, sums=sums,
+                                   local_tokens=local_tokens, global_tokens=global_tokens,
+                                   grad_norms=grad_norms, started=started)
         log.debug("train step %d: %s", self._step, metrics)
         return metrics
 

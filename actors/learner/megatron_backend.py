@@ -60,13 +60,14 @@ import numpy as np
 import torch
 from torch import distributed as dist
 
-from erlay.actors.learner.core import (
+from erlay.actors.learner.batch import (
+    TOKEN_WEIGHTED,
     TrainBatch,
     pad_rows,
     rank_minibatches,
     rl_learning_rate,
     shard,
-    staleness_stats,
+    step_metrics,
 )
 from erlay.actors.learner.grpo import group_advantages, grpo_loss
 from erlay.actors.learner.megatron_model import (
@@ -92,9 +93,6 @@ log = logging.getLogger("erlay.learner")
 
 STATE_FORMAT = "megatron-1"
 LOOPBACK = "127.0.0.1"
-# Loss statistics averaged over minibatches, weighted by their token counts (as LearnerCore).
-_TOKEN_WEIGHTED = ("loss", "clip_fraction", "is_weight_mean", "is_weight_max_hit_fraction",
-                   "kl", "ratio_mean", "approx_kl")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -351,7 +349,7 @@ class MegatronLearner:
                         if has and self.reference is not None else None
                     fixed.append((prox, ref))
             self.progress.tick()
-            sums = dict.fromkeys(_TOKEN_WEIGHTED, 0.0)
+            sums = dict.fromkeys(TOKEN_WEIGHTED, 0.0)
             local_tokens = global_tokens = 0
             norms = []
             for chunk, (prox, ref) in zip(chunks, fixed, strict=True):
@@ -374,7 +372,7 @@ class MegatronLearner:
                         kl_coef=self.kl_coef, ref_logp=ref)
                     (loss * (n_local * self.dp / n_global)).backward()
                 norms.append(self._apply_gradients(n_global))
-                for key in _TOKEN_WEIGHTED:
+                for key in TOKEN_WEIGHTED:
                     sums[key] += stats.get(key, 0.0) * n_local
                 local_tokens += n_local
                 global_tokens += n_global
@@ -382,18 +380,10 @@ class MegatronLearner:
             self._step += 1
             self._version += 1
             self._refresh_published()
-            groups = rewards.view(-1, tb.group_size)
-            flat = (groups.max(dim=1).values == groups.min(dim=1).values).float()
-            metrics = {
-                "step": self._step, "version": self._version, "lr": lr,
-                **{k: v / max(local_tokens, 1) for k, v in sums.items()},
-                "grad_norm": sum(norms) / len(norms), "tokens": global_tokens,
-                "completions": len(tb), "groups": len(tb) // tb.group_size,
-                "reward_mean": float(rewards.mean()),
-                "reward_std": float(rewards.std(unbiased=False)),
-                "zero_advantage_group_fraction": float(flat.mean()),
-                **staleness_stats(tb.versions, start_version),
-                "time_s": time.perf_counter() - started}
+            metrics = step_metrics(tb, step=self._step, version=self._version,
+                                   start_version=start_version, lr=lr, sums=sums,
+                                   local_tokens=local_tokens, global_tokens=global_tokens,
+                                   grad_norms=norms, started=started)
         if self.ledger is not None:
             rows = tb.to_dict()
             self.ledger.trained(self._step - 1, self._version - 1, rows["rollout_ids"],
