@@ -11,8 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
-import pytest
-
+from tests.conftest import require_megatron
 from tests.paths import REPO
 
 SCRIPT = REPO / "bench" / "gpu" / "megatron_parity.py"
@@ -36,7 +35,7 @@ def test_megatron_parity_without_a_gpu_prints_gpu_false_last_and_exits_0() -> No
 
 
 def test_megatron_parity_cpu_check_runs_the_gpu_code_and_passes_its_verdict() -> None:
-    pytest.importorskip("megatron.core")
+    require_megatron()
     proc = run("--cpu-check")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import inspect
 
-import pytest
-
 from erlay.actors.config import load_config
 from erlay.actors.job.driver import learner_backend_kwargs, learner_class
 from erlay.actors.learner.rank import Learner
+from tests.conftest import require_megatron
 
 
 def test_replicated_and_fsdp2_ranks_are_the_learner_actor() -> None:
@@ -32,7 +31,7 @@ def test_fsdp2_ranks_get_their_backend_and_fsdp_settings() -> None:
 
 
 def test_megatron_ranks_are_megatron_learners_with_their_sizes() -> None:
-    pytest.importorskip("megatron.core")
+    require_megatron()
     cfg = load_config("configs/cpu.yaml", ["learner.backend=megatron", "learner.num_ranks=2",
                                            "learner.device=cuda",
                                            "learner.megatron.tensor_parallel=2"])

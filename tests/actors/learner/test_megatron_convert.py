@@ -27,8 +27,9 @@ import torch
 
 from erlay.actors.model import megatron_convert as mc
 from erlay.actors.model.tiny import tiny_config, write_tiny_model
+from tests.conftest import require_megatron
 
-pytest.importorskip("megatron.core")
+require_megatron()
 
 SHAPE = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, max_positions=64)
 
