@@ -54,6 +54,7 @@ from erlay.actors.learner.batch import (
 from erlay.actors.learner.fsdp import (
     FQN_LAYOUT,
     Fsdp2Plan,
+    build_device,
     clip_global,
     optimizer_by_index,
     optimizer_by_name,
@@ -109,10 +110,12 @@ class LearnerCore:
         random.seed(seed)
         if device != "cpu":
             # The rank's process is its own: every tensor it makes (batches, losses, the
-            # model) goes to the device; checkpoints and published weights are copied to the
-            # host where they are written or sent.
+            # model, but an fsdp2 model's shards only) goes to the device; checkpoints and
+            # published weights are copied to the host where they are written or sent.
             torch.set_default_device(device)
-        self.model = build_policy(model_config, seed=seed)
+        # fsdp2 builds the whole policy on the host: only shards reach the device (fsdp.py).
+        with torch.device(build_device(backend, device)):
+            self.model = build_policy(model_config, seed=seed)
         self.config = self.model.cfg
         self.device = device
         self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
@@ -394,6 +397,9 @@ class LearnerCore:
         if self._fsdp is None or self._fsdp.sharded:
             return
         self._ensure_group()
+        # The constructor's optimizer holds the whole parameters: let them go, so each block's
+        # whole weights are freed as soon as that block is sharded.
+        self.optimizer = None   # type: ignore[assignment]
         self.optimizer = self._fsdp.shard(
             self.model, self.reference, self.device,
             lambda params: torch.optim.AdamW(params, **self._hyper))

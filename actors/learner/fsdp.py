@@ -11,9 +11,15 @@ is ``fsdp2``; the core calls it at a few fixed points.  Contracts:
   step, an SFT warm start, a checkpoint save, a state read): ``fully_shard`` on each
   transformer block (:func:`decoder_layers`), then on the root, and a new AdamW over the
   sharded (DTensor) parameters.  An optimizer state loaded before that waits and is applied
-  to the new optimizer, resharded to this rank count.  So each rank holds the whole model
-  once, at start: sharding divides the steady state (parameters between steps, gradients,
-  optimizer state), not that peak (no meta-device construction yet).
+  to the new optimizer, resharded to this rank count.
+- **Host first, shards on the device.** The constructor builds the whole model (and the KL
+  reference) on the host, whatever the device (:func:`build_device`), and touches no device
+  memory.  ``fully_shard`` moves one unit (a block, then the root) whole to the mesh's
+  device, keeps this rank's shard and frees the rest before the next unit: the device never
+  holds more than the shards plus one unit's whole weights, so a model whose weights do not
+  fit one device starts.  Nothing else may hold the whole parameters meanwhile (the core
+  drops the constructor's optimizer first).  The host holds the whole model once per rank
+  until sharding; afterwards only rank 0 does (its publishing copy).
 - **Gradients.** FSDP reduce-scatters each block's gradients in backward and averages them
   over ranks: the core's manual all-reduce is skipped, and its loss scaling (each rank's
   token sum over the global token count, times the rank count) makes that average the
@@ -55,6 +61,12 @@ log = logging.getLogger("erlay.learner")
 FQN_LAYOUT = "fqn"   # optimizer state keyed by parameter name (torch.distributed.checkpoint's)
 
 
+def build_device(backend: str, device: str) -> str:
+    """Where a learner builds its policy: on the host for fsdp2 (only shards go to
+    ``device``, at sharding), on ``device`` itself otherwise.  Pure."""
+    return "cpu" if backend == "fsdp2" else device
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks that each get their own FSDP unit.
 
@@ -73,7 +85,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_module(model: nn.Module, mesh: Any, *, cpu_offload: bool,
                  reshard_after_forward: bool) -> None:
     """``fully_shard`` each block of ``model``, then the root (embeddings, final norm, head,
-    MTP heads), in place.  ``hidden`` becomes an FSDP forward method too, because the MTP
+    MTP heads), in place; each unit goes whole to the mesh's device, then only its shard
+    stays.  ``hidden`` becomes an FSDP forward method too, because the MTP
     loss calls it directly rather than through ``forward``."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -225,7 +238,9 @@ class Fsdp2Plan:
               make_optimizer: Any) -> torch.optim.Optimizer:
         """Shard ``model`` (and the frozen ``reference``) over the default process group,
         which must exist; returns the new optimizer, ``make_optimizer(params)``, with any
-        pending state loaded.  Every rank calls it at the same point."""
+        pending state loaded.  Every rank calls it at the same point.  Each unit's whole
+        weights are freed once it is sharded only if nothing else (an optimizer) holds the
+        model's parameters."""
         from torch.distributed.device_mesh import init_device_mesh
         if self.rank == 0:
             # The full weights before sharding: rank 0 serves them until the first update.

@@ -239,3 +239,95 @@ def test_a_sharded_checkpoint_restarts_two_ranks_and_reshards_onto_one(
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert checkpoint_problems(root)[0][1] is not None
+
+
+def _construct_for_cuda(rank: int, world: int, port: int, spec: dict[str, Any],
+                        eager: bool) -> dict[str, Any]:
+    """An fsdp2 learner for device ``cuda``, constructed in a process whose torch has no CUDA:
+    any tensor the constructor put on the device would raise.  ``eager`` plants the old
+    placement (the policy built on the device)."""
+    import erlay.actors.learner.core as core_module
+    if eager:
+        core_module.build_device = lambda backend, device: device   # type: ignore[attr-defined]
+    try:
+        core = LearnerCore(spec, backend="fsdp2", device="cuda", kl_coef=0.1, rank=rank,
+                           world_size=world, master_port=port)
+    except Exception as error:   # the planted placement fails inside the HF loader
+        return {"error": str(error)}
+    modules = [core.model, core.reference]
+    return {"devices": sorted({str(t.device) for m in modules
+                               for t in [*m.parameters(), *m.buffers()]}),
+            "status": core.status(), "serves": bool(core.weights())}
+
+
+def test_an_fsdp2_constructor_leaves_the_whole_model_on_the_host(spec: dict[str, Any]) -> None:
+    """The constructor of a rank for a GPU builds the policy (LoRA, MTP heads, KL reference)
+    on the host and touches no device memory; it serves status and weights from there.  This
+    machine's torch has no CUDA, so a device tensor would fail; the planted old placement
+    does."""
+    wrapped = {**spec, "lora": {"r": 4}, "mtp_heads": 2}
+    (out,) = spawn_ranks(1, _construct_for_cuda, wrapped, False)
+    assert out.get("error") is None and out["devices"] == ["cpu"]
+    assert out["status"]["step"] == 0 and out["serves"]
+    (planted,) = spawn_ranks(1, _construct_for_cuda, wrapped, True)
+    assert "CUDA" in planted["error"]
+
+
+def _whole_bytes_alive_while_sharding(rank: int, world: int, port: int, spec: dict[str, Any],
+                                      port2: int) -> dict[str, Any]:
+    """Bytes of the constructor's (whole) parameters still alive after each ``fully_shard``
+    call (on a GPU, FSDP moves a unit's whole parameters to the device before sharding it, so
+    these are device bytes), and the local shard bytes after sharding; then the same with a
+    planted reference to the constructor's optimizer held through the sharding."""
+    import gc
+    import weakref
+
+    import torch.distributed.fsdp as fsdp_module
+    from torch.distributed.tensor import DTensor
+
+    from erlay.actors.learner.fsdp import local_bytes
+    real = fsdp_module.fully_shard
+
+    def run(master_port: int, hold: bool) -> dict[str, Any]:
+        core = LearnerCore(spec, backend="fsdp2", rank=rank, world_size=world,
+                           master_port=master_port)
+        whole = [weakref.ref(p) for p in core.model.parameters()]
+        total = sum(p.numel() * p.element_size() for p in core.model.parameters())
+        held = core.optimizer if hold else None
+        alive: list[int] = []
+
+        def counting(module: Any, **kwargs: Any) -> Any:
+            out = real(module, **kwargs)
+            gc.collect()
+            alive.append(sum(p.numel() * p.element_size() for ref in whole
+                             if (p := ref()) is not None))
+            return out
+        fsdp_module.fully_shard = counting
+        try:
+            core.state()   # the first collective: shards
+        finally:
+            fsdp_module.fully_shard = real
+        params = list(core.model.parameters())
+        result = {"total": total, "alive": alive, "held": held is not None,
+                  "dtensors": all(isinstance(p, DTensor) for p in params),
+                  "local": local_bytes(core.model, core.optimizer)["param_bytes"]}
+        core.close()
+        return result
+    return {"fixed": run(port, False), "planted": run(port2, True)}
+
+
+def test_sharding_frees_each_blocks_whole_weights_and_keeps_a_shard(
+        spec: dict[str, Any]) -> None:
+    """The device never holds the whole model: the whole parameters of each block are freed
+    as soon as it is sharded (none are left after the root), and each of 2 ranks keeps
+    DTensor shards of about half the bytes.  Planted: a reference to the constructor's
+    optimizer held through the sharding keeps every whole parameter alive (the old code)."""
+    ranks = spawn_ranks(2, _whole_bytes_alive_while_sharding, spec, free_port())
+    blocks = 2   # the spec's layers; then the root
+    for r in ranks:
+        fixed, planted = r["fixed"], r["planted"]
+        total, alive = fixed["total"], fixed["alive"]
+        assert len(alive) == blocks + 1
+        assert alive[0] < total and alive == sorted(alive, reverse=True) and alive[-1] == 0
+        assert fixed["dtensors"] and abs(fixed["local"] - total / 2) <= 0.01 * total
+        assert planted["alive"] == [total] * (blocks + 1)
