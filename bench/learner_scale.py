@@ -13,6 +13,13 @@ that optimizer step, from the rank's local shards (``DTensor.to_local()``;
 - ``optim_bytes``: AdamW's moments (``exp_avg``, ``exp_avg_sq``; the scalar step counts are
   left out).
 
+The table (not the JSON line) also shows the start-up peak of parameter bytes on a rank's
+device, 2 ranks, accounted from FSDP2's placement rule
+(:func:`erlay.actors.learner.fsdp_parity.fsdp_rank_startup`; on this CPU the device is the
+host, so it is not a memory measurement): built on the host, the device holds the shards
+made so far plus one unit (a block, or the root) whole; built on the device (before), the
+whole model from the constructor on, plus the shards.
+
 Per-rank figures are the maximum over ranks.  Not counted: rank 0's host copy of the whole
 weights, which serves publishing (shown in the table as ``host copy``), and the transient
 gather of one block's parameters during its forward and backward passes.
@@ -40,6 +47,7 @@ import tempfile
 from typing import Any
 
 from erlay.actors.learner.fsdp_parity import (
+    fsdp_rank_startup,
     fsdp_rank_step,
     parity_batch,
     run_parity,
@@ -66,11 +74,15 @@ def measure(hidden: int, layers: int, ffn: int, heads: int, perturb: float) -> d
         options = {"lr": 1e-4, "max_grad_norm": 1.0}
         one = spawn_ranks(1, fsdp_rank_step, spec, batch, options, 0.0)
         two = run_parity(spec, world=2, batch=batch, options=options, perturb=perturb)
+        startup = spawn_ranks(2, fsdp_rank_startup, spec, options)
     weights = one[0]["weights"]
     return {"ranks_1": per_rank_max([one[0]["bytes"]]), "ranks_2": per_rank_max(two["bytes"]),
             "equivalent": bool(two["equivalent"]), "max_abs_diff": two["max_abs_diff"],
             "params": sum(v.size for k, v in weights.items()),
-            "host_copy_bytes": sum(v.nbytes for v in weights.values())}
+            "host_copy_bytes": sum(v.nbytes for v in weights.values()),
+            # Before: the whole model on the device from the constructor, plus the shards.
+            "startup_before": max(r["whole"] + r["shards"] for r in startup),
+            "startup_peak": max(r["peak"] for r in startup)}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -81,6 +93,9 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{key:<16}{one[key]:>14,}{two[key]:>14,}{two[key] / one[key]:>8.3f}")
     lines.append(f"{'host copy':<16}{result['host_copy_bytes']:>14,}"
                  f"{result['host_copy_bytes']:>14,}  (rank 0 only: serves publishing)")
+    lines.append(f"start-up peak on the device, 2 ranks (parameter bytes, accounted): "
+                 f"{result['startup_peak']:,} built on the host, "
+                 f"{result['startup_before']:,} built on the device (before)")
     lines.append(f"equivalent: {result['equivalent']} (max abs diff "
                  f"{result['max_abs_diff']:.3g}, tolerance 1e-5)")
     return "\n".join(lines)

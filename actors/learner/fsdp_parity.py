@@ -11,7 +11,8 @@ learning rate, 1e-4: there the update ``lr * g / (|g| + eps)`` turns a float-sum
 difference of ~1e-10 in ``g`` (the ranks sum the batch in two halves) into ~1e-2 ``lr``, so at
 1e-4 the two learners agree to ~2e-6 while each parameter that has a gradient moves by up to
 1e-4, ten times the tolerance.  It also reports the bytes each rank holds after the step
-(:func:`erlay.actors.learner.fsdp.local_bytes`).  ``perturb`` plants a violation: the last
+(:func:`erlay.actors.learner.fsdp.local_bytes`); :func:`fsdp_rank_startup` accounts for the
+device bytes while a rank shards.  ``perturb`` plants a violation: the last
 rank adds it to every parameter before the step, as a rank that drifted from its peers
 would, so the check must then fail.  Used by the tests and by ``bench/learner_scale.py``.
 """
@@ -108,6 +109,45 @@ def fsdp_rank_step(rank: int, world: int, port: int, spec: dict[str, Any],
            "weights": core.weights() if rank == 0 else None}
     core.close()
     return out
+
+
+def fsdp_rank_startup(rank: int, world: int, port: int, spec: dict[str, Any],
+                      options: dict[str, Any]) -> dict[str, int]:
+    """The parameter bytes an fsdp2 rank places on its device while it starts, accounted
+    from FSDP2's placement rule (the mesh's device here may be the host): ``fully_shard``
+    moves a unit's whole parameters to the device, keeps this rank's shard, frees the rest.
+    ``peak``: the largest, over the ``fully_shard`` calls, of the shards made so far plus
+    the unit being sharded, whole.  ``whole``: the model's parameter bytes, which a rank that
+    built the model on its device held from its constructor on (before sharding was
+    deferred to the host).  ``shards``: this rank's shards at the end."""
+    import torch.distributed.fsdp as fsdp_module
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+    core = _learner(spec, rank, world, port, "fsdp2", options)
+    models = [m for m in (core.model, core.reference) if m is not None]
+    whole = sum(nbytes(p) for m in models for p in m.parameters())
+    real, peaks = fsdp_module.fully_shard, []
+
+    def shards() -> int:
+        return sum(nbytes(p) for m in models for p in m.parameters()
+                   if isinstance(p, DTensor))
+
+    def accounting(module: torch.nn.Module, **kwargs: Any) -> Any:
+        unit = sum(nbytes(p) for p in module.parameters() if not isinstance(p, DTensor))
+        out = real(module, **kwargs)
+        peaks.append(unit + shards())
+        return out
+    fsdp_module.fully_shard = accounting
+    try:
+        core.state()   # the first collective: shards
+    finally:
+        fsdp_module.fully_shard = real
+    result = {"whole": whole, "peak": max(peaks), "shards": shards()}
+    core.close()
+    return result
 
 
 def fsdp_rank_resume(rank: int, world: int, port: int, spec: dict[str, Any],
