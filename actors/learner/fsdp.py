@@ -19,7 +19,8 @@ is ``fsdp2``; the core calls it at a few fixed points.  Contracts:
   holds more than the shards plus one unit's whole weights, so a model whose weights do not
   fit one device starts.  Nothing else may hold the whole parameters meanwhile (the core
   drops the constructor's optimizer first).  The host holds the whole model once per rank
-  until sharding; afterwards only rank 0 does (its publishing copy).
+  until sharding; afterwards only rank 0 does (its publishing copy, which takes over the
+  constructor's host storage).
 - **Gradients.** FSDP reduce-scatters each block's gradients in backward and averages them
   over ranks: the core's manual all-reduce is skipped, and its loss scaling (each rank's
   token sum over the global token count, times the rank count) makes that average the
@@ -369,6 +370,13 @@ def _python_rng(state: Any) -> tuple:
 
 
 def _host_copy(model: nn.Module) -> nn.Module:
-    host = copy.deepcopy(model).to("cpu")
+    """A frozen copy of ``model`` on the host whose tensors share the host ``model``'s
+    storage: sharding gives the model new (shard) tensors and leaves this storage to the
+    copy, so rank 0 holds the whole weights on its host once at start-up, not twice."""
+    memo: dict[int, Any] = {id(t): nn.Parameter(t.detach(), requires_grad=False)
+                            if isinstance(t, nn.Parameter) else t.detach()
+                            for t in [*model.parameters(), *model.buffers()]
+                            if t.device.type == "cpu"}
+    host = copy.deepcopy(model, memo).to("cpu")
     host.requires_grad_(False)
     return host

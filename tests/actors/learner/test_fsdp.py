@@ -277,21 +277,26 @@ def _whole_bytes_alive_while_sharding(rank: int, world: int, port: int, spec: di
                                       port2: int) -> dict[str, Any]:
     """Bytes of the constructor's (whole) parameters still alive after each ``fully_shard``
     call (on a GPU, FSDP moves a unit's whole parameters to the device before sharding it, so
-    these are device bytes), and the local shard bytes after sharding; then the same with a
-    planted reference to the constructor's optimizer held through the sharding."""
+    these are device bytes), the local shard bytes after sharding, and whether rank 0's host
+    copy took over the constructor's storage; then the same with planted faults: a reference
+    to the constructor's optimizer held through the sharding, a host copy that copies."""
+    import copy
     import gc
     import weakref
 
     import torch.distributed.fsdp as fsdp_module
     from torch.distributed.tensor import DTensor
 
-    from erlay.actors.learner.fsdp import local_bytes
+    import erlay.actors.learner.fsdp as fsdp
     real = fsdp_module.fully_shard
 
     def run(master_port: int, hold: bool) -> dict[str, Any]:
         core = LearnerCore(spec, backend="fsdp2", rank=rank, world_size=world,
                            master_port=master_port)
         whole = [weakref.ref(p) for p in core.model.parameters()]
+        storage = {p.data_ptr() for p in core.model.parameters()}
+        if hold:
+            fsdp._host_copy = lambda m: copy.deepcopy(m).requires_grad_(False)
         total = sum(p.numel() * p.element_size() for p in core.model.parameters())
         held = core.optimizer if hold else None
         alive: list[int] = []
@@ -308,9 +313,12 @@ def _whole_bytes_alive_while_sharding(rank: int, world: int, port: int, spec: di
         finally:
             fsdp_module.fully_shard = real
         params = list(core.model.parameters())
+        host = core._fsdp.host
         result = {"total": total, "alive": alive, "held": held is not None,
                   "dtensors": all(isinstance(p, DTensor) for p in params),
-                  "local": local_bytes(core.model, core.optimizer)["param_bytes"]}
+                  "local": fsdp.local_bytes(core.model, core.optimizer)["param_bytes"],
+                  "host_shares": host is not None and all(p.data_ptr() in storage
+                                                           for p in host.parameters())}
         core.close()
         return result
     return {"fixed": run(port, False), "planted": run(port2, True)}
@@ -321,7 +329,8 @@ def test_sharding_frees_each_blocks_whole_weights_and_keeps_a_shard(
     """The device never holds the whole model: the whole parameters of each block are freed
     as soon as it is sharded (none are left after the root), and each of 2 ranks keeps
     DTensor shards of about half the bytes.  Planted: a reference to the constructor's
-    optimizer held through the sharding keeps every whole parameter alive (the old code)."""
+    optimizer held through the sharding keeps every whole parameter alive (the old code).
+    Rank 0's host copy (publishing) is the constructor's host storage, not a second copy."""
     ranks = spawn_ranks(2, _whole_bytes_alive_while_sharding, spec, free_port())
     blocks = 2   # the spec's layers; then the root
     for r in ranks:
@@ -331,3 +340,5 @@ def test_sharding_frees_each_blocks_whole_weights_and_keeps_a_shard(
         assert alive[0] < total and alive == sorted(alive, reverse=True) and alive[-1] == 0
         assert fixed["dtensors"] and abs(fixed["local"] - total / 2) <= 0.01 * total
         assert planted["alive"] == [total] * (blocks + 1)
+    assert [r["fixed"]["host_shares"] for r in ranks] == [True, False]
+    assert not ranks[0]["planted"]["host_shares"]
