@@ -12,7 +12,9 @@ machine has, it returns the one-line reason the backend cannot run, or None.
   scaling, sliding windows, ...: :func:`erlay.actors.model.megatron_convert.megatron_shape`);
 - ``megatron`` with a tensor-parallel size that does not divide the attention or key-value
   heads or the MLP width, or a pipeline size that does not divide the layers;
-- ``megatron`` with ``pipeline_parallel > 1`` (not implemented), LoRA or MTP heads;
+- ``megatron`` with ``pipeline_parallel > 1`` on a model with tied input and output
+  embeddings (not implemented: the tied gradient is not summed over the stages), LoRA or
+  MTP heads;
 - ``megatron`` on a machine where torch sees no CUDA device, unless the job attaches to a
   cluster (``ray.address`` or ``RAY_ADDRESS``), whose GPU nodes this machine cannot see.
 
@@ -54,9 +56,10 @@ def backend_problem(cfg: JobConfig, hf_config: Any, *, cuda_available: bool,
         check_parallel(shape, m.tensor_parallel, m.pipeline_parallel)
     except MegatronConfigError as exc:
         return f"learner.backend megatron: {exc}"
-    if m.pipeline_parallel > 1:
-        return ("learner.megatron.pipeline_parallel > 1 is not implemented yet (the pipeline "
-                "schedule is not wired); use tensor_parallel and data_parallel")
+    if m.pipeline_parallel > 1 and shape.tied:
+        return ("learner.megatron.pipeline_parallel > 1 with tied input and output embeddings "
+                "(tie_word_embeddings) is not implemented; use tensor_parallel and "
+                "data_parallel for this model")
     if cfg.model.lora is not None or cfg.model.mtp_heads:
         return ("learner.backend megatron trains the full model: it takes no model.lora and "
                 "no model.mtp_heads")

@@ -1,5 +1,5 @@
 """``learner.backend: megatron``: a learner rank that trains a megatron-core ``GPTModel``
-built from an HF Llama- or Qwen2-style model, with tensor and data parallelism.
+built from an HF Llama- or Qwen2-style model, with tensor, pipeline and data parallelism.
 
 GPU only, not run in CI; verified by bench/gpu/megatron_parity.py on a GPU.  megatron-core
 0.16's forward pass calls CUDA directly (the rotary embedding moves its frequencies to
@@ -33,10 +33,16 @@ and the same constructor keywords, plus ``tensor_parallel``, ``pipeline_parallel
   :func:`erlay.actors.learner.grpo.grpo_loss`, gradients averaged over the data-parallel
   group, clipped by the global norm (tensor-parallel parameters' squares summed over the
   tensor group, replicated ones counted once), then torch AdamW on the local parameters.
-- **Not done.** ``pipeline_parallel > 1`` is refused (preflight and here): the pipeline
-  schedule (``get_forward_backward_func``) is not wired.  LoRA and MTP heads are refused.
-  With ``tensor_parallel > 1`` checkpoints hold the merged weights but only rank 0's
-  optimizer state is meaningful, so a restore restarts Adam's moments (with TP = 1 they are
+- **Pipeline.** With ``pipeline_parallel > 1`` each rank builds and loads its stage
+  (:func:`~erlay.actors.model.megatron_convert.split_pp` of its tensor shard) and every
+  pass, no-grad (proximal, reference) or training, runs megatron's 1F1B schedule
+  (:mod:`erlay.actors.learner.megatron_pipeline`); the last stage computes logprobs and
+  losses and shares the statistics; the gradient norm sums squares over the pipeline group
+  too; rank 0 gathers the tensor-merged stages of data-parallel rank 0 and merges them
+  (``merge_pp``) for publishing.  A tied output layer with more than one stage is refused.
+- **Not done.** LoRA and MTP heads are refused.  With ``tensor_parallel`` or
+  ``pipeline_parallel > 1`` checkpoints hold the merged weights but only rank 0's optimizer
+  state is meaningful, so a restore restarts Adam's moments (with TP = PP = 1 they are
   restored exactly).
 - **Failures.** The ranks share NCCL groups, so they are one ``one_for_all`` domain: any
   rank's death (kill, hang, OOM) restarts all of them from the last checkpoint, as for the
@@ -79,12 +85,15 @@ from erlay.actors.learner.megatron_model import (
     read_hf_state,
     right_pad,
 )
+from erlay.actors.learner.megatron_pipeline import Pipeline, sft_row_loss
 from erlay.actors.model.megatron_convert import (
     check_parallel,
     hf_to_megatron,
     megatron_shape,
     megatron_to_hf,
+    merge_pp,
     merge_tp,
+    split_pp,
     split_tp,
 )
 from erlay.supervisor.progress import Progress
@@ -133,8 +142,6 @@ class MegatronLearner:
             raise ValueError("the megatron backend needs an HF model (model.hf)")
         if model_config.get("lora") or model_config.get("mtp_heads"):
             raise ValueError("the megatron backend trains full weights: no LoRA, no MTP heads")
-        if pipeline_parallel != 1:
-            raise ValueError("learner.megatron.pipeline_parallel > 1 is not implemented")
         if tensor_parallel * pipeline_parallel * (data_parallel or 1) != world_size \
                 and data_parallel is not None:
             raise ValueError(f"tp {tensor_parallel} x pp {pipeline_parallel} x dp "
@@ -143,6 +150,9 @@ class MegatronLearner:
         self.model_dir = model_config["hf"]
         self.shape = megatron_shape(load_hf_config(Path(self.model_dir)))
         check_parallel(self.shape, tensor_parallel, pipeline_parallel)
+        if pipeline_parallel > 1 and self.shape.tied:
+            raise ValueError("learner.megatron.pipeline_parallel > 1 with tied input and output "
+                             "embeddings is not implemented")
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         random.seed(seed)
@@ -229,6 +239,8 @@ class MegatronLearner:
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._dp_rank = parallel_state.get_data_parallel_rank()
         self._dp_group = parallel_state.get_data_parallel_group()
+        self._pipe = Pipeline(self.shape, self.device, self.temperature) if self.pp > 1 \
+            else None
         self.model = build_gpt_model(self.shape, tp=self.tp, pp=self.pp, dtype=self.dtype,
                                      cpu_init=not cuda)
         self.model.to(self.device)
@@ -239,14 +251,24 @@ class MegatronLearner:
         if pending is not None:
             self._restore_rest(pending)
         if self.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).requires_grad_(False)
+            self.reference = self._frozen_copy()
         self._refresh_published()
         log.info("megatron learner rank %d/%d (tp %d rank %d, dp %d rank %d) ready",
                  self.rank, self.world_size, self.tp, self._tp_rank, self.dp, self._dp_rank)
 
+    def _frozen_copy(self) -> Any:
+        """The KL reference: a new model of this rank's shard holding the current weights
+        (``deepcopy`` cannot copy megatron's modules: they hold process groups)."""
+        frozen = build_gpt_model(self.shape, tp=self.tp, pp=self.pp, dtype=self.dtype,
+                                 cpu_init=self.device.type != "cuda").to(self.device)
+        load_megatron_state(frozen, self._local_state())
+        return frozen.requires_grad_(False)
+
     def _load_hf(self, hf: dict[str, torch.Tensor]) -> None:
         full = hf_to_megatron(hf, self.shape, tp=self.tp)
         mine = split_tp(full, self.shape, self.tp)[self._tp_rank]
+        if self._pipe is not None:
+            mine = split_pp(mine, self.shape, self.pp)[self._pipe.stage]
         load_megatron_state(self.model, {k: v.to(self.device, self.dtype)
                                          for k, v in mine.items()})
 
@@ -255,9 +277,10 @@ class MegatronLearner:
                 if isinstance(v, torch.Tensor)}
 
     def _refresh_published(self) -> None:
-        """Rank 0's tensor group gathers the shards; rank 0 keeps the merged HF weights on
-        the host.  Every rank calls it (ranks outside rank 0's tensor group return)."""
-        if self.rank >= self.tp:
+        """Each stage's tensor group of data-parallel rank 0 gathers its shards, rank 0
+        gathers the tensor-merged stages and keeps the merged HF weights on the host.  Every
+        rank calls it (ranks of other data-parallel ranks return)."""
+        if self._dp_rank != 0:
             return
         local = self._local_state()
         if self.tp == 1:
@@ -269,9 +292,15 @@ class MegatronLearner:
                 dist.all_gather(parts, tensor.contiguous(), group=self._tp_group)
                 for r, part in enumerate(parts):
                     shards[r][name] = part
+        if self._tp_rank != 0:
+            return
+        merged = merge_tp([{k: v.float().cpu() for k, v in s.items()} for s in shards],
+                          self.shape)
+        if self._pipe is not None:
+            stages: list[Any] = [None] * self.pp if self.rank == 0 else None
+            dist.gather_object(merged, stages, dst=0, group=self._pipe.group)
+            merged = merge_pp(stages, self.shape) if self.rank == 0 else merged
         if self.rank == 0:
-            merged = merge_tp([{k: v.float().cpu() for k, v in s.items()} for s in shards],
-                              self.shape)
             self._published = megatron_to_hf(merged, self.shape)
 
     # ------------------------------------------------------------------ reading the policy
@@ -313,12 +342,20 @@ class MegatronLearner:
         return version, [ray.put(weights)]
 
     # ------------------------------------------------------------------------- updates
-    def _logprobs(self, model: Any, prompts: list[list[int]], completions: list[list[int]]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fixed_logprobs(self, model: Any, prompts: list[list[int]],
+                        completions: list[list[int]]) -> torch.Tensor | None:
+        """No-grad completion logprobs (with a pipeline: on its last stage, else None)."""
+        if self._pipe is not None:
+            return self._pipe.logprobs(model, prompts, completions)
+        return self._logprobs(model, prompts, completions)[0]
+
+    def _logprobs(self, model: Any, prompts: list[list[int]], completions: list[list[int]],
+                  temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = right_pad([p + c for p, c in zip(prompts, completions, strict=True)],
                            device=self.device)
         return completion_logprobs(megatron_logits(model, tokens), prompts, completions,
-                                   self.shape.vocab_size, self.temperature)
+                                   self.shape.vocab_size,
+                                   self.temperature if temperature is None else temperature)
 
     def train_step(self, batch: dict[str, Any] | TrainBatch,
                    expected_step: int | None = None) -> dict[str, float]:
@@ -344,8 +381,8 @@ class MegatronLearner:
                     prompts = [tb.prompt_ids[i] for i in chunk]
                     comps = [tb.completion_ids[i] for i in chunk]
                     has = any(any(tb.token_mask(i)) for i in chunk)
-                    prox = self._logprobs(self.model, prompts, comps)[0] if has else None
-                    ref = self._logprobs(self.reference, prompts, comps)[0] \
+                    prox = self._fixed_logprobs(self.model, prompts, comps) if has else None
+                    ref = self._fixed_logprobs(self.reference, prompts, comps) \
                         if has and self.reference is not None else None
                     fixed.append((prox, ref))
             self.progress.tick()
@@ -357,7 +394,11 @@ class MegatronLearner:
                 n_local = sum(sum(tb.token_mask(i)) for i in chunk)
                 n_global = int(self._dp_sum(float(n_local)))
                 stats: dict[str, float] = {}
-                if n_local:
+                if n_local and self._pipe is not None:
+                    stats = self._pipe.grpo(
+                        self.model, tb, chunk, prox, ref, advantages, self.dp / n_global,
+                        clip_eps=self.clip_eps, is_cap=self.is_cap, kl_coef=self.kl_coef)
+                elif n_local:
                     logp, token_mask = self._logprobs(
                         self.model, [tb.prompt_ids[i] for i in chunk],
                         [tb.completion_ids[i] for i in chunk])
@@ -394,7 +435,8 @@ class MegatronLearner:
 
     def sft(self, prompts: list[list[int]], targets: list[list[int]], steps: int,
             batch_size: int, lr: float | None = None) -> dict[str, Any]:
-        """Supervised warm start, with :meth:`LearnerCore.sft`'s contract."""
+        """Supervised warm start, with :meth:`LearnerCore.sft`'s contract (cross-entropy at
+        temperature 1, whatever the engines' temperature)."""
         if len(prompts) != len(targets) or not prompts or steps < 1 or batch_size < 1:
             raise ValueError("sft needs as many prompts as targets, steps >= 1, batch >= 1")
         self._ensure_model()
@@ -408,13 +450,18 @@ class MegatronLearner:
                 mine = shard(batch, self.dp, self._dp_rank)
                 self.optimizer.zero_grad()
                 n_local = sum(len(targets[i]) for i in mine)
+                n_global = self._dp_sum(float(n_local))
                 loss_sum, loss = 0.0, None
-                if n_local:
+                if n_local and self._pipe is not None:
+                    rows = self._pipe.train(self.model, [prompts[i] for i in mine],
+                                            [targets[i] for i in mine],
+                                            sft_row_loss(self.dp / n_global), 1.0)
+                    loss_sum = self._pipe.share([sum(r["loss_sum"] for r in rows)])[0]
+                elif n_local:
                     logp, mask = self._logprobs(self.model, [prompts[i] for i in mine],
-                                                [targets[i] for i in mine])
+                                                [targets[i] for i in mine], 1.0)
                     loss = -(logp * mask).sum()
                     loss_sum = float(loss.detach())
-                n_global = self._dp_sum(float(n_local))
                 total = self._dp_sum(loss_sum)
                 if loss is not None:
                     (loss * (self.dp / n_global)).backward()
@@ -425,7 +472,7 @@ class MegatronLearner:
             self._version += 1
             self._warm_started = True
             if self.reference is not None:
-                self.reference = copy.deepcopy(self.model).requires_grad_(False)
+                self.reference = self._frozen_copy()
             self._refresh_published()
         for group in self.optimizer.param_groups:
             group["lr"] = self._hyper["lr"]
@@ -467,6 +514,8 @@ class MegatronLearner:
             dist.all_reduce(sq, group=self._tp_group)
         for p in replicated:
             sq += p.grad.double().pow(2).sum()
+        if self._pipe is not None:   # every stage's parameters are distinct
+            self._pipe.all_sum(sq)
         norm = float(sq.sqrt())
         if not math.isfinite(norm):
             log.warning("megatron learner rank %d: gradient norm %s, step skipped", self.rank,
@@ -492,7 +541,7 @@ class MegatronLearner:
             return {"format": STATE_FORMAT, "shape": self.shape.to_dict(),
                     "model": {k: v.clone() for k, v in self._published.items()},
                     "optimizer": copy.deepcopy(self.optimizer.state_dict())
-                    if self.tp == 1 else None,
+                    if self.tp == self.pp == 1 else None,
                     "step": self._step, "version": self._version,
                     "warm_started": self._warm_started,
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}

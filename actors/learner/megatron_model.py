@@ -36,15 +36,22 @@ def init_parallel_state(tp: int, pp: int) -> None:
 def build_gpt_model(shape: MegatronShape, *, tp: int = 1, pp: int = 1,
                     dtype: torch.dtype = torch.float32, cpu_init: bool = False) -> Any:
     """A megatron-core ``GPTModel`` of ``shape`` with the local (no Transformer Engine) layer
-    spec; ``parallel_state`` must be initialised with the same ``tp`` and ``pp``."""
+    spec; ``parallel_state`` must be initialised with the same ``tp`` and ``pp``.  With
+    ``pp > 1`` it is this rank's pipeline stage: its contiguous block of ``layers / pp``
+    layers (megatron numbers them from the stage's offset, its state dict from 0), the
+    embedding on the first stage, the final norm and output layer on the last."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(**transformer_config_kwargs(shape),
                                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                               fp16=dtype == torch.float16, use_cpu_initialization=cpu_init)
-    return GPTModel(config=config,
+                               fp16=dtype == torch.float16, use_cpu_initialization=cpu_init,
+                               pipeline_dtype=dtype if pp > 1 else None)
+    first = pp == 1 or parallel_state.is_pipeline_first_stage()
+    last = pp == 1 or parallel_state.is_pipeline_last_stage()
+    return GPTModel(config=config, pre_process=first, post_process=last,
                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                     **gpt_model_kwargs(shape, tp))
 

@@ -7,7 +7,9 @@ test_megatron_convert.py), twice: tensor-parallel 2, then data-parallel 2.  Agai
 single-process :class:`~erlay.actors.learner.core.LearnerCore` on the same HF model and batch
 it records, for rank 0: the TP=2 model's logits before training (and with a planted naive
 fc1 split), whether the gathered, merged weights it publishes equal the HF weights bit for
-bit, and one GRPO step's loss, gradient norm and resulting weights.
+bit, and one GRPO step's loss, gradient norm and resulting weights.  Then pipeline-parallel
+2 (:func:`pp2`), with megatron's 1F1B schedule patched for the CPU too
+(:func:`patch_schedule`).
 """
 
 from __future__ import annotations
@@ -119,10 +121,124 @@ def main(rank: int, port: int, model_dir: str, out: str) -> None:
         if rank == 0:
             row["weights_vs_ref_max_abs"] = max_diff(learner.weights(), core.weights())
             row["weights_moved"] = max_diff(learner.weights(), start)
+        if dp == 2:   # SFT (temperature 1, as LearnerCore's) from the step's weights
+            args = (batch.prompt_ids, batch.completion_ids, 1, 8)
+            row["sft_loss"] = learner.sft(*args, lr=1e-3)["loss_first"]
+            row["ref_sft_loss"] = core.sft(*args, lr=1e-3)["loss_first"]
         learner.erlay_terminate()
         results[name] = row
+    results["pp2"] = pp2(rank, port + 2, model_dir)
     with open(out, "w") as f:
         json.dump(results, f)
+
+
+
+
+def patch_schedule() -> None:
+    """Test-only, on top of :func:`patch_cuda`: megatron's 1F1B schedule counts tokens in a
+    tensor it puts on ``"cuda"`` and synchronises CUDA around its batched p2p calls."""
+    import types
+
+    from megatron.core.pipeline_parallel import schedules
+
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+    schedules.torch = types.SimpleNamespace(**{**vars(torch), "zeros": zeros})
+    torch.cuda.synchronize = lambda *a, **k: None   # type: ignore[assignment]
+
+
+def stage_logprobs(learner: Any, batch: Any, want: list[list[float]]) -> float | None:
+    """Max abs difference of the pipeline's no-grad logprobs (last stage) from ``want``."""
+    got = learner._fixed_logprobs(learner.model, batch.prompt_ids, batch.completion_ids)
+    if got is None:
+        return None
+    return max(float((got[b, :len(w)] - torch.tensor(w)).abs().max())
+               for b, w in enumerate(want))
+
+
+def pp2(rank: int, port: int, model_dir: str) -> dict[str, Any]:
+    """Pipeline-parallel 2 over the two ranks (stage = rank), with a KL reference and two
+    minibatches, against a single LearnerCore with the same settings: the last stage's
+    no-grad logprobs (and with stage 1 holding stage 0's layers: planted), rank 0's publish
+    (HF weights before, a merge of both stages' own weights after), one GRPO step, then two
+    SFT steps."""
+    patch_schedule()
+    import torch.distributed as dist
+
+    from erlay.actors.learner.core import LearnerCore
+    from erlay.actors.learner.megatron_backend import MegatronLearner
+    from erlay.actors.learner.megatron_model import load_megatron_state, read_hf_state
+    from erlay.actors.model import megatron_convert as mc
+    spec = {"hf": model_dir, "init": "pretrained", "dtype": "float32"}
+    hyper: dict[str, Any] = dict(lr=1e-3, max_grad_norm=1e9, seed=0, temperature=0.9,
+                                 kl_coef=0.05, minibatches=2)
+    core = LearnerCore(spec, **hyper)
+    start = core.weights()
+    learner = MegatronLearner(spec, device="cpu", rank=rank, world_size=2, master_port=port,
+                              pipeline_parallel=2, data_parallel=1, **hyper)
+    batch = grpo_batch(core, learner.shape.vocab_size)
+    from erlay.actors.model.policy import sequence_logprobs
+    with torch.no_grad():   # the HF model's logprobs at the learner's temperature
+        scored = sequence_logprobs(core._serving_model(), batch.prompt_ids,
+                                   batch.completion_ids, temperature=0.9)[0]
+    want = [scored[i, :len(c)].tolist() for i, c in enumerate(batch.completion_ids)]
+    reference = core.train_step(batch)
+    learner._ensure_model()
+    row: dict[str, Any] = {"stage": learner._pipe.stage,
+                           "layer_numbers": [layer.layer_number for layer in
+                                             learner.model.decoder.layers]}
+    row["logprobs_max_abs"] = stage_logprobs(learner, batch, want)
+    # Planted: stage 1 loaded with stage 0's layer block (the wrong layer offset).
+    stages = mc.split_pp(mc.hf_to_megatron(read_hf_state(model_dir), learner.shape),
+                         learner.shape, 2)
+    mine = stages[learner._pipe.stage]
+    if learner._pipe.stage == 1:
+        load_megatron_state(learner.model, {**mine, **{k: v for k, v in stages[0].items()
+                                                       if k.startswith("decoder.layers.")}})
+    row["planted_offset_logprobs_max_abs"] = stage_logprobs(learner, batch, want)
+    load_megatron_state(learner.model, mine)
+    if rank == 0:
+        published = learner.weights()
+        row["published_is_hf"] = set(published) == set(start) and all(
+            np.array_equal(published[k], start[k]) for k in start)
+    metrics = learner.train_step(batch)
+    row.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+               ref_loss=reference["loss"], ref_grad_norm=reference["grad_norm"],
+               clip_fraction=metrics["clip_fraction"],
+               ref_clip_fraction=reference["clip_fraction"])
+    # Rank 0's published weights against a merge of both stages' own weights.
+    local = {k: v.clone() for k, v in learner._local_state().items()}
+    parts: list[Any] = [None, None]
+    dist.all_gather_object(parts, local)
+    if rank == 0:
+        merged = mc.megatron_to_hf(mc.merge_pp(parts, learner.shape), learner.shape)
+        published = learner.weights()
+        row["published_is_stage_merge"] = set(published) == set(merged) and all(
+            np.array_equal(published[k], merged[k].numpy()) for k in merged)
+        row["weights_vs_ref_max_abs"] = max_diff(published, core.weights())
+        row["weights_moved"] = max_diff(published, start)
+    # Supervised steps through the pipeline (targets = the completions).
+    args = (batch.prompt_ids, batch.completion_ids, 2, 4)
+    ours, theirs = learner.sft(*args, lr=1e-3), core.sft(*args, lr=1e-3)
+    row.update(sft_loss=[ours["loss_first"], ours["loss_last"]],
+               ref_sft_loss=[theirs["loss_first"], theirs["loss_last"]])
+    if rank == 0:
+        row["sft_weights_vs_ref_max_abs"] = max_diff(learner.weights(), core.weights())
+    # Rank 0's state (merged HF weights) restores every stage's shard: train on, restore.
+    box = [learner.state() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    learner.train_step(batch)
+    learner.load_state(box[0])
+    if rank == 0:
+        restored = learner.weights()
+        row["restored_is_state"] = all(np.array_equal(restored[k], box[0]["model"][k].numpy())
+                                       for k in restored)
+        row["restored_moved_back"] = max_diff(restored, core.weights())
+    learner.erlay_terminate()
+    return row
 
 
 if __name__ == "__main__":

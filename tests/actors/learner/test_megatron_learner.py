@@ -1,6 +1,7 @@
 """MegatronLearner on a CPU: it imports, offers the replicated learner's surface (so the
 driver can start either with the same keywords), and refuses to start without CUDA with a
-clear error.  Its training path is GPU-only, checked by bench/gpu/megatron_parity.py."""
+clear error.  Its training path (TP, DP, PP) runs here with megatron's CUDA calls patched
+in the test; on a GPU it is checked by bench/gpu/megatron_parity.py."""
 
 from __future__ import annotations
 
@@ -136,13 +137,31 @@ def test_megatron_learner_step_on_cpu_equals_the_hf_learners_step(
         ours.erlay_terminate()
 
 
-def test_megatron_learner_tp2_and_dp2_on_two_gloo_ranks_equal_the_hf_learner(
+def test_megatron_learner_refuses_pipeline_stages_with_a_tied_output_layer(
+        tmp_path: Path, cpu_megatron: None) -> None:
+    """A tied model with pipeline_parallel 2 is refused at construction (before any group
+    forms); the same untied model is not (it fails later only for want of a peer rank)."""
+    import json
+
+    from erlay.actors.model.tiny import write_tiny_model
+    path = write_tiny_model(tmp_path / "m", "llama", weights=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    kwargs = dict(device="cpu", rank=1, world_size=2, pipeline_parallel=2, data_parallel=1)
+    with pytest.raises(ValueError, match="tied input and output embeddings"):
+        MegatronLearner({"hf": str(path)}, **kwargs)
+    (path / "config.json").write_text(json.dumps(config))
+    assert MegatronLearner({"hf": str(path)}, **kwargs).pp == 2
+
+
+def test_megatron_learner_tp2_dp2_and_pp2_on_two_gloo_ranks_equal_the_hf_learner(
         tmp_path: Path) -> None:
     """Two processes (tests/actors/learner/megatron_ranks.py), megatron's CUDA calls patched:
     with tensor-parallel 2 the sharded model's logits equal HF's (a naive fc1 split does
     not: planted), the gathered weights rank 0 publishes are the HF weights bit for bit, and
     one GRPO step gives the single HF learner's loss, gradient norm and weights; with
-    data-parallel 2 the gradient norm and the weights after the step agree too."""
+    data-parallel 2 the gradient norm and the weights after the step agree too; with
+    pipeline-parallel 2 (megatron's 1F1B schedule) likewise, and SFT (see below)."""
     import json
     import os
     import subprocess
@@ -174,6 +193,26 @@ def test_megatron_learner_tp2_and_dp2_on_two_gloo_ranks_equal_the_hf_learner(
         assert row["weights_moved"] > 5e-4 and row["weights_vs_ref_max_abs"] < 1e-4, row
     # Data parallel: each rank's loss is its own half's; the two halves differ.
     assert ranks[0]["dp2"]["loss"] != ranks[1]["dp2"]["loss"]
+    assert dp2["sft_loss"] == pytest.approx(dp2["ref_sft_loss"], abs=1e-4)
+    # Pipeline parallel 2 (KL reference, two minibatches): stage r holds layer r + 1 (global
+    # numbering); the last stage's no-grad logprobs are HF's, and not with stage 1 holding
+    # stage 0's layer (planted offset); rank 0 publishes the HF weights, then exactly a merge
+    # of both stages; the GRPO step and two SFT steps equal the single HF learner's, on
+    # every stage (the gradient norm includes both stages' parameters).
+    first, last = ranks[0]["pp2"], ranks[1]["pp2"]
+    assert [first["layer_numbers"], last["layer_numbers"]] == [[1], [2]]
+    assert first["logprobs_max_abs"] is None and last["logprobs_max_abs"] < 1e-5
+    assert last["planted_offset_logprobs_max_abs"] > 1e-3
+    assert first["published_is_hf"] and first["published_is_stage_merge"]
+    for row in (first, last):
+        assert abs(row["loss"] - row["ref_loss"]) < 1e-5
+        assert abs(row["grad_norm"] - row["ref_grad_norm"]) < 1e-4 * row["ref_grad_norm"]
+        assert row["clip_fraction"] == pytest.approx(row["ref_clip_fraction"], abs=1e-6)
+        assert row["sft_loss"] == pytest.approx(row["ref_sft_loss"], abs=1e-5)
+    assert first["weights_moved"] > 5e-4 and first["weights_vs_ref_max_abs"] < 1e-4, first
+    assert first["sft_weights_vs_ref_max_abs"] < 1e-4
+    # Rank 0's state() restores both stages (after a further step): its weights exactly.
+    assert first["restored_is_state"] and first["restored_moved_back"] < 1e-4
 
 
 def test_megatron_learner_checkpoint_restores_step_and_weights_on_cpu(

@@ -45,7 +45,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"gpt2": write_tiny_model(root / "gpt2", "gpt2", weights=False),
             "gqa": write_tiny_model(root / "gqa", "llama", weights=False, hidden=64, heads=4,
                                     kv_heads=2, ffn=128),
-            "scaled": _scaled_rope(write_tiny_model(root / "scaled", "llama", weights=False))}
+            "scaled": _scaled_rope(write_tiny_model(root / "scaled", "llama", weights=False)),
+            "tied": _tied(write_tiny_model(root / "tied", "llama", weights=False))}
+
+
+def _tied(path: Path) -> Path:
+    import json
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 def _scaled_rope(path: Path) -> Path:
@@ -60,6 +69,8 @@ def test_megatron_preflight_passes_a_valid_config_on_a_machine_with_cuda(
         models: dict[str, Path]) -> None:
     assert problem(megatron(tp=4)) is None
     assert problem(megatron(tp=2, dp=2, extra=(f"model.hf={models['gqa']}",))) is None
+    assert problem(megatron(pp=2)) is None   # untied (tiny-qwen2): pipeline parallel runs
+    assert problem(megatron(tp=2, pp=2, dp=2, extra=(f"model.hf={models['gqa']}",))) is None
     assert problem(["learner.backend=fsdp2", "learner.num_ranks=2"]) is None
     assert problem([]) is None
 
@@ -69,7 +80,8 @@ def test_megatron_preflight_passes_a_valid_config_on_a_machine_with_cuda(
     ("tp_kv_heads", megatron(tp=4, extra=("model.hf=<gqa>",)),
      "must divide the attention heads (4) and the key-value heads (2)"),
     ("pp_layers", megatron(pp=4), "pipeline_parallel 4 must divide the layer count (2)"),
-    ("pp_not_done", megatron(pp=2), "pipeline_parallel > 1 is not implemented"),
+    ("pp_tied", megatron(pp=2, extra=("model.hf=<tied>",)),
+     "pipeline_parallel > 1 with tied input and output embeddings"),
     ("gpt2", megatron(extra=("model.hf=<gpt2>",)),
      "converts Llama- and Qwen2-style models (llama, qwen2); this model is 'gpt2'"),
     ("rope_scaling", megatron(extra=("model.hf=<scaled>",)), "rope scaling 'linear'"),
