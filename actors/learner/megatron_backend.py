@@ -1,13 +1,11 @@
 """``learner.backend: megatron``: a learner rank that trains a megatron-core ``GPTModel``
 built from an HF Llama- or Qwen2-style model, with tensor, pipeline and data parallelism.
 
-GPU only, not run in CI; verified by bench/gpu/megatron_parity.py on a GPU.  megatron-core
-0.16's forward pass calls CUDA directly (the rotary embedding moves its frequencies to
-``torch.cuda.current_device()``, the attention forks the CUDA RNG tracker), so
-:class:`MegatronLearner` raises a clear error when CUDA is absent.  What the CPU tests do run
-from :mod:`erlay.actors.learner.megatron_model`: ``build_gpt_model``
-(``use_cpu_initialization``), the strict load of converted weights, and
-``completion_logprobs``; the conversion itself is :mod:`erlay.actors.model.megatron_convert`.
+GPU only: megatron-core 0.16's forward pass (and its pipeline schedule) calls CUDA directly,
+so :class:`MegatronLearner` raises a clear error when CUDA is absent.  The CPU tests run it
+over gloo with those calls patched in the test (tests/actors/learner/); on a GPU
+bench/gpu/megatron_parity.py checks it.  The conversion is
+:mod:`erlay.actors.model.megatron_convert`.
 
 :class:`MegatronLearner` has :class:`erlay.actors.learner.rank.Learner`'s public surface
 (``train_step``, ``sft``, ``publish``, ``versioned_weights``, ``status``, ``state`` /

@@ -117,7 +117,7 @@ class Pipeline:
                                torch.float32).to(self.device),
                 advantages[chunk].to(self.device),
                 pad_rows([tb.token_mask(i) for i in chunk], width, torch.bool).to(self.device),
-                ref, scale, grpo_loss, **hyper)
+                ref, scale, **hyper)
         rows = self.train(model, [tb.prompt_ids[i] for i in chunk], comps, row_loss)
         means = weighted_means(rows, TOKEN_WEIGHTED) if rows else [0.0] * len(TOKEN_WEIGHTED)
         return dict(zip(TOKEN_WEIGHTED, self.share(means), strict=True))
@@ -137,18 +137,17 @@ class Pipeline:
 
 def grpo_row_loss(prox: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
                   trained: torch.Tensor, ref: torch.Tensor | None, scale: float,
-                  loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]],
                   **hyper: Any) -> RowLoss:
     """The per-row GRPO loss of a chunk: ``prox``, ``behaviour``, ``trained`` (and ``ref``)
-    ``[B, W]``, ``advantages`` ``[B]``; a row's loss is ``loss_fn``'s token mean over it times
-    its token count times ``scale`` (``dp / n_global``), its statistics are ``loss_fn``'s
-    plus ``tokens``."""
+    ``[B, W]``, ``advantages`` ``[B]``; a row's loss is :func:`grpo_loss`'s token mean over
+    it (``hyper``: its keywords) times its token count times ``scale`` (``dp / n_global``);
+    its statistics are grpo_loss's plus ``tokens``."""
 
     def row_loss(logp: torch.Tensor, cmask: torch.Tensor, b: int
                  ) -> tuple[torch.Tensor, dict[str, float]]:
         n = logp.shape[1]
         mask = cmask & trained[b:b + 1, :n]
-        loss, stats = loss_fn(logp, prox[b:b + 1, :n], behaviour[b:b + 1, :n],
+        loss, stats = grpo_loss(logp, prox[b:b + 1, :n], behaviour[b:b + 1, :n],
                               advantages[b:b + 1], mask,
                               ref_logp=None if ref is None else ref[b:b + 1, :n], **hyper)
         tokens = int(mask.sum())
