@@ -466,9 +466,16 @@ class RolloutCoordinator:
         while True:
             incarnations = self._incarnations(ranks)
             try:
+                # Every rank's actor first, then the calls: a rank that is not running (a
+                # restart in progress) must stop the attempt before any call is made.
+                # Calling the ranks already restarted would leave them in a collective (a
+                # sharded save, a train step) their peers never join, and the next attempt
+                # would call them again.
+                actors = [r.actor for r in ranks]
                 results = await asyncio.gather(*(
-                    within(getattr(r.actor, method).remote(*args), timeout_s,
-                           f"{r.path}.{method}") for r in ranks))
+                    within(getattr(actor, method).remote(*args), timeout_s,
+                           f"{r.path}.{method}") for r, actor in zip(ranks, actors,
+                                                                     strict=True)))
                 return results[0]
             except CHILD_GONE as exc:
                 log.warning("learner unavailable during %s (%s); waiting for its restart",
