@@ -72,12 +72,16 @@ def spawn_ranks(world: int, target: Any, *args: Any, timeout_s: float = 240.0) -
     gloo group on loopback at ``port``; returns each rank's result (picklable), by rank.
     A rank that fails raises here (torch.multiprocessing's ProcessRaisedException); ranks
     still running after ``timeout_s`` (a hung collective) are killed and TimeoutError is
-    raised.  Forked, not spawned: the children start with torch and transformers already
-    imported (seconds per process on a small CPU); the caller must hold no process group."""
+    raised.  Forked where it can be: the children start with torch and transformers already
+    imported (seconds per process on a small CPU).  A caller that belongs to a process group
+    (a test session that made one for a one-rank checkpointer) spawns them instead: a forked
+    child would inherit that group and could not form its own."""
     import torch.multiprocessing as mp
+    from torch import distributed as dist
+    method = "spawn" if dist.is_available() and dist.is_initialized() else "fork"
     with tempfile.TemporaryDirectory() as out:
         context = mp.start_processes(_rank_main, args=(world, free_port(), out, target, args),
-                                     nprocs=world, join=False, start_method="fork")
+                                     nprocs=world, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=0.5):
             if time.monotonic() > deadline:

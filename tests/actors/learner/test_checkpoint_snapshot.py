@@ -28,6 +28,7 @@ from erlay.actors.learner.snapshot import CHUNK_BYTES
 from erlay.supervisor import failpoints
 from tests.actors.learner.test_checkpoint import assert_same
 from tests.actors.learner.test_core import MODEL, arithmetic_batch
+from tests.conftest import wait_for
 
 # Two chunks, so a hang after the first leaves the copy half done.
 BIG = 2 * CHUNK_BYTES // 4
@@ -62,6 +63,9 @@ def test_a_state_modified_mid_snapshot_fails_the_save_and_is_never_written_torn(
     w = torch.zeros(BIG)
     with AsyncCheckpointer(tmp_path) as checkpointer, held_snapshot():
         checkpointer.save(1, {"w": w})
+        # The copy thread records w's version when it starts: modify w only once it holds
+        # the copy after the first chunk (under load it may not have started yet).
+        wait_for(lambda: failpoints.hits("learner.checkpoint_snapshot") >= 1, timeout=60)
         w.add_(1.0)  # no barrier: half of w is staged before this, half after
         failpoints.disarm("learner.checkpoint_snapshot")
         with pytest.raises(CheckpointSaveFailed, match=r"state\['w'\] was modified in place"):
