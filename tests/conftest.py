@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -53,6 +54,18 @@ def erlay_storage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("ERLAY_STORAGE", None)
     else:
         os.environ["ERLAY_STORAGE"] = previous
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group_per_module() -> Iterator[None]:
+    """Tear down a one-process ``torch.distributed`` group a module's tests left behind
+    (``ensure_process_group`` makes one for an in-process checkpointer), so later modules
+    start without one: forked test ranks would inherit it and could not form their own."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() == 1:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ REQUIRED = ("engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
             "engine-hang", "sandbox-host-lost", "node-loss", "driver-kill-resume",
             "crash-loop")
 SMOKE = {"engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
-         "coordinator-crash", "crash-loop", "host-sigstop", "env-user-error"}
+         "coordinator-crash", "crash-loop", "host-sigstop"}
 LEARNER_KILL = {"inject": "sigkill", "target": "erlay/learner/learner-0", "at": 1}
 
 

@@ -43,20 +43,24 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def megatron_world() -> Iterator[None]:
     """A one-process gloo group and megatron's parallel_state at TP = PP = 1, torn down
-    after the module so no other test inherits a process group."""
+    after the module (a group this fixture made) so no other test inherits it."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    # Earlier tests in the session may have left a one-process group (a one-rank
+    # checkpointer's): megatron's groups are made inside it, and it is left as it was.
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
+    assert dist.get_world_size() == 1, "a multi-rank process group exists in the test process"
     parallel_state.initialize_model_parallel(1, 1)
     try:
         yield
     finally:
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
 
 
 @pytest.fixture
