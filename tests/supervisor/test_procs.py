@@ -77,10 +77,10 @@ from erlay.supervisor.procs import OwnGroup
 group = OwnGroup()
 group.keeper.declared_env["ERLAY_TEST_DECLARED"] = "yes"
 group.adopt()
-def child():
-    time.sleep(60)
 if __name__ == "__main__":
-    proc = multiprocessing.get_context("spawn").Process(target=child)
+    # time.sleep itself as the target: a function defined in this -c script cannot be
+    # unpickled by the spawned child, which then died at once, racing the members() below.
+    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
     proc.start()
     print(os.getpid(), proc.pid, group.members(), flush=True)
     time.sleep(60)
