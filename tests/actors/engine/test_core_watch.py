@@ -68,3 +68,23 @@ def test_sentinels_are_read_from_vllms_engine_manager_or_none() -> None:
     # Another vLLM (an external or Ray-managed engine): nothing to watch, no error.
     assert core_sentinels(SimpleNamespace(engine_core=SimpleNamespace(resources=None))) == []
     assert core_sentinels(object()) == []
+
+
+def test_an_engine_core_exit_fails_every_open_stream_and_ends_the_group() -> None:
+    """What the watch's callback does in the vLLM engine, without starting vLLM: each open
+    request gets EngineFailed, and the group's other processes (vLLM's workers, which
+    outlive their EngineCore) are killed at once, not at the supervisor's terminate."""
+    from erlay.actors.engine.api import EngineFailed, GenerationRequest
+    from erlay.actors.engine.vllm_engine import VllmEngine, _Request
+
+    engine = VllmEngine({"vocab_size": 16, "max_seq_len": 32})
+    killed: list[bool] = []
+    engine.group = SimpleNamespace(kill_members=lambda: killed.append(True) or [])
+    queues = [asyncio.Queue() for _ in range(2)]
+    for i, queue in enumerate(queues):
+        engine._requests[f"r{i}"] = _Request(GenerationRequest(f"r{i}", (1, 2), 4, seed=0), queue)
+    engine._core_exited()
+    assert killed == [True]
+    assert all(isinstance(q.get_nowait(), EngineFailed) for q in queues)
+    assert all(r.done for r in engine._requests.values())
+    assert engine._failed.is_set()
