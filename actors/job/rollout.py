@@ -32,6 +32,7 @@ from erlay.actors.job.domains import (
     EngineRequestFailed,
     JudgeClient,
     SandboxClient,
+    engine_failed_at,
 )
 from erlay.actors.job.plugins import GuardedEnvironment, UserCodeFailed, UserError
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
@@ -100,13 +101,17 @@ class Resume:
     that failed first (``failed_at``), the dispatch of the call that resumed it to another
     engine (``dispatched_at``, once that engine is picked) and its first chunk with tokens
     (``first_chunk_at``).  ``engine`` is that call's first chunk's
-    :attr:`~erlay.actors.engine.api.TokenChunk.timing` (None if the backend gives none)."""
+    :attr:`~erlay.actors.engine.api.TokenChunk.timing` (None if the backend gives none).
+    ``engine_failed_at`` is when the failed engine declared itself failed, on its node's
+    clock (:attr:`~erlay.actors.engine.api.EngineFailed.failed_at`; None when it could not
+    say, as when its actor was killed)."""
 
     rollout_id: str
     failed_at: float
     dispatched_at: float
     first_chunk_at: float
     engine: dict[str, float] | None = None
+    engine_failed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -385,6 +390,7 @@ class RolloutRunner:
         traj.resumed += bool(tokens)
         started = time.monotonic()
         failed_at: float | None = None
+        failed_said: float | None = None   # when the failed engine said it failed
         if len(tokens) >= budget:  # every token was journaled; only the final chunk was lost
             return tokens, logprobs, versions
         failed_engines: set[tuple[str, int]] = set()
@@ -429,8 +435,9 @@ class RolloutRunner:
                             token_ids=chunk.token_ids[overlap:], logprobs=chunk.logprobs[overlap:])
                     if failed_at is not None and chunk.token_ids:
                         self.resumes.append(Resume(rollout_id, failed_at, dispatched_at,
-                                                   time.monotonic(), engine_timing))
-                        failed_at = None
+                                                   time.monotonic(), engine_timing,
+                                                   failed_said))
+                        failed_at = failed_said = None
                     if chunk.token_ids or chunk.finished:
                         data = {"turn": turn, "start": chunk.start,
                                 "token_ids": chunk.token_ids, "logprobs": chunk.logprobs,
@@ -456,7 +463,9 @@ class RolloutRunner:
                         self._abort(engine, request.request_id)
             except CHILD_GONE as exc:
                 traj.resumed += 1
-                failed_at = failed_at or time.monotonic()
+                if failed_at is None:
+                    failed_at = time.monotonic()
+                    failed_said = engine_failed_at(exc)
                 if not isinstance(exc, EngineRequestFailed):  # dead, not merely refusing
                     failed_engines.add((engine.path, incarnation))
                 if (engine.path, incarnation) not in self._reported_failures:

@@ -162,3 +162,23 @@ def test_a_stream_whose_engine_failed_fails_over_as_from_a_dead_engine() -> None
     seen = failure_seen(EngineFailed("decode loop failed"))
     assert not isinstance(seen, EngineRequestFailed)   # the engine is excluded, not retried
     assert isinstance(failure_seen(ValueError("a refused request")), EngineRequestFailed)
+
+
+def test_the_engines_failure_time_reaches_the_rollout_through_the_error() -> None:
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    from erlay.actors.job.domains import engine_failed_at
+
+    failure = EngineFailed("vLLM's EngineCore process exited")
+    failure.failed_at = 123.5
+    # It crosses Ray pickled, and arrives as a RayTaskError that is also an EngineFailed but
+    # holds the engine's own error (with its attributes) only as .cause.
+    carried = pickle.loads(pickle.dumps(failure))
+    assert carried.failed_at == 123.5
+    raised = RayTaskError("generate_many", "traceback", carried).as_instanceof_cause()
+    assert isinstance(raised, EngineFailed) and raised.failed_at is None
+    assert engine_failed_at(failure_seen(raised)) == 123.5
+    assert engine_failed_at(failure_seen(carried)) == 123.5
+    assert engine_failed_at(failure_seen(ValueError("refused"))) is None
