@@ -76,9 +76,12 @@ class EngineFailed(ErlayError):
     engine reports itself exited to its supervisor.
 
     ``failed_at``: when the engine declared itself failed, on its node's
-    ``time.monotonic()``, where the engine records it (None otherwise).  It travels with the
-    error (an exception pickles its ``__dict__``), so a caller on the same node can tell
-    detection from delivery."""
+    ``time.monotonic()``, where the engine records it (None otherwise: the torch engine's
+    actor dies with its loop).  It travels with the error (an exception pickles its
+    ``__dict__``), so a caller on the same node can tell detection from delivery.  Through
+    Ray the caller gets a ``RayTaskError`` that is also an ``EngineFailed`` but whose own
+    ``failed_at`` is this class default: the value is on its ``.cause``
+    (:func:`erlay.actors.job.domains.engine_failed_at` reads it)."""
 
     failed_at: float | None = None
 

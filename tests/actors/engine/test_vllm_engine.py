@@ -231,8 +231,9 @@ def test_engine_core_sigkill_restarts_the_engine_and_the_request_resumes_elsewhe
                     os.kill(core, signal.SIGKILL)
             raise AssertionError("the stream finished although its EngineCore was killed")
         except (ray.exceptions.RayError, EngineFailed) as exc:
-            # The actor's own sentinel watch failed the stream (core_watch), not vLLM's
-            # slower monitor-thread shutdown ("vLLM's engine died: ...").
+            # The actor's own watch of the EngineCore process failed the stream
+            # (core_watch), not vLLM's slower monitor-thread shutdown ("vLLM's engine
+            # died: ...").
             assert "EngineCore process exited" in str(exc), exc
         assert len(tokens) >= 5
         resumed_at = len(tokens)
