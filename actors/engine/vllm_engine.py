@@ -70,11 +70,11 @@ import time
 import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from erlay.actors.engine import staging
 from erlay.actors.engine.api import (
     EngineFailed,
     EngineStats,
@@ -87,6 +87,7 @@ from erlay.actors.engine.api import (
 )
 from erlay.actors.engine.core import validate_request
 from erlay.actors.engine.core_watch import ExitWatch, core_processes
+from erlay.actors.engine.vllm_warmup import warm_up
 from erlay.actors.model.build import is_hf
 from erlay.actors.model.hf_export import hf_state, read_model_dir, write_model_dir
 from erlay.supervisor.procs import OwnGroup
@@ -102,12 +103,6 @@ DEFAULT_CPU_KV_CACHE_GB = 1
 def segment_seed(seed: int, start: int) -> int:
     """vLLM's seed for a request that samples from completion position ``start`` on."""
     return zlib.crc32(f"{seed}:{start}".encode()) & 0x7FFFFFFF
-
-
-def staging_dir() -> str:
-    """Where weights are staged for the workers: shared memory if the node has it."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
 @dataclass
@@ -187,7 +182,11 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_CACHE_GB))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        self._stage = tempfile.mkdtemp(prefix="erlay-vllm-", dir=staging_dir())
+        # Named after this process: the next engine to start on the node removes it if this
+        # one dies too hard to run erlay_terminate (staging).
+        staging.sweep()
+        self._stage = tempfile.mkdtemp(prefix=staging.owner_prefix(),
+                                       dir=staging.staging_root())
         if self._hf:
             model_dir = await asyncio.to_thread(self._prepare_hf)
         else:
@@ -205,6 +204,9 @@ class VllmEngine:
         # temperature > 0 (its CPU expand kernel leaves the rejection sampler's per-token
         # temperatures uninitialised); greedy speculation is correct.  Refuse, not degrade.
         self._greedy_only = bool(self.speculative_config) and await asyncio.to_thread(_on_cpu)
+        # Before the supervisor sees it ready: vLLM compiles its sampler on the first batch
+        # (seconds), which would stall the rollouts a restarted engine takes over.
+        await warm_up(self._llm, self._vocab, greedy=self._greedy_only)
         # vLLM, torch and the model make a heap of ~700k long-lived objects, and each full
         # collection walks all of them: a pause of 0.5-1 s of this event loop (which serves
         # every stream, and the heartbeat) whenever streaming's garbage triggers one.
@@ -285,7 +287,8 @@ class VllmEngine:
             self.progress.begin("weight_update", work=f"v{version}")
             self._open.clear()
             try:
-                path = os.path.join(self._stage or staging_dir(), f"weights-v{version}.st")
+                path = os.path.join(self._stage or staging.staging_root(),
+                                    f"weights-v{version}.st")
                 await asyncio.to_thread(_stage_weights, path, state, self._hf)
                 cut = [r for r in self._requests.values() if r.segment and not r.done]
                 for req in cut:

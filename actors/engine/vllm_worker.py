@@ -11,6 +11,7 @@ Kept import-light: vLLM imports it by qualified name in every worker.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 
@@ -42,6 +43,11 @@ class ErlayWorkerExtension:
         return {k: list(v.shape) for k, v in model.named_parameters()}
 
     def erlay_process(self, keys: list[str]) -> dict[str, Any]:
-        """This worker process: pid, process group and the named environment variables."""
+        """This worker process: pid, process group, the named environment variables, and
+        ``compiled_graphs``, the graphs ``torch.compile`` has compiled in it so far (0 if
+        nothing imported dynamo): a compile on the serving path stalls a batch for seconds,
+        so a warm engine serves without adding any."""
+        dynamo = sys.modules.get("torch._dynamo.utils")
+        compiled = int(dynamo.counters["stats"]["unique_graphs"]) if dynamo else 0
         return {"pid": os.getpid(), "pgid": os.getpgid(0),
-                "env": {k: os.environ.get(k) for k in keys}}
+                "env": {k: os.environ.get(k) for k in keys}, "compiled_graphs": compiled}

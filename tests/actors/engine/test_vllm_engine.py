@@ -14,6 +14,9 @@ import asyncio
 import itertools
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +24,7 @@ import psutil
 import pytest
 import torch
 
+from erlay.actors.engine import staging
 from erlay.actors.engine.api import EngineFailed, GenerationRequest, TokenChunk
 from erlay.actors.model.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
 from erlay.supervisor.events import EventKind, MemorySink
@@ -85,6 +89,34 @@ def collect(stream: Any) -> list[TokenChunk]:
 
 def tokens_of(chunks: list[TokenChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
+
+
+def compiled_graphs(eng: ChildRef) -> list[int]:
+    import ray
+    return [w["compiled_graphs"] for w in ray.get(eng.processes.remote())["workers"]]
+
+
+def test_a_ready_engine_has_compiled_its_sampler_and_serving_compiles_nothing(
+        tree: Any) -> None:
+    """First in the file, so nothing has been served before.  vLLM compiles its sampler's
+    logprob ranks on its first batch (seconds); the engine's warm-up must have done that
+    before it was ready, or a restarted engine stalls the rollouts it takes over."""
+    import ray
+    for i in (0, 1):
+        eng = engine(tree, i)
+        before = compiled_graphs(eng)
+        assert before and all(n >= 1 for n in before), f"engine-{i} served cold: {before}"
+        temperature = 0.0 if i == 1 else 1.0   # engine-1 speculates: greedy only on CPU
+        streams = [eng.generate.remote(request(f"warm-{i}-{j}", new=4,
+                                               temperature=temperature).to_dict())
+                   for j in range(5)]
+        assert all(len(tokens_of(collect(s))) == 4 for s in streams)
+        one = collect(eng.generate.remote(request(f"warm-{i}-one", new=3,
+                                                  temperature=temperature).to_dict()))
+        assert len(tokens_of(one)) == 3
+        assert compiled_graphs(eng) == before, "serving compiled a graph after ready"
+        assert ray.get(eng.stats.remote())["requests_submitted"] == 6, \
+            "the warm-up must not count as served requests"
 
 
 def test_generate_streams_contiguous_chunks_with_the_learners_logprobs(tree: Any) -> None:
@@ -217,6 +249,12 @@ def test_engine_core_sigkill_restarts_the_engine_and_the_request_resumes_elsewhe
     core, worker = info["engine_core"], info["workers"][0]["pid"]
     assert core != info["pid"] and core in group and worker in group
     version = ray.get(eng1.version.remote())
+    # A staging directory left on this node by an engine that died too hard to clean up
+    # (its owner pid is gone): the restarted engine's start must remove it.
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = tempfile.mkdtemp(prefix=staging.owner_prefix(int(gone.stdout)),
+                             dir=staging.staging_root())
 
     async def rollout() -> tuple[list[int], int]:
         """Stream on engine-0; when it dies, continue from the tokens received on
@@ -258,6 +296,8 @@ def test_engine_core_sigkill_restarts_the_engine_and_the_request_resumes_elsewhe
                for e in sink.events)
     out = collect(restarted.generate.remote(request("after", new=8).to_dict()))
     assert len(tokens_of(out)) == 8
+    assert not os.path.exists(stale) or staging._pid_alive(int(gone.stdout)), \
+        "the restarted engine left a dead engine's staging directory"
     # ...and nothing of the killed incarnation survives.
     wait_for(lambda: not any(_alive(pid) for pid in group), timeout=30,
              what="the killed engine's processes gone")
