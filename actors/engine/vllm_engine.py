@@ -206,7 +206,9 @@ class VllmEngine:
         self._greedy_only = bool(self.speculative_config) and await asyncio.to_thread(_on_cpu)
         # Before the supervisor sees it ready: vLLM compiles its sampler on the first batch
         # (seconds), which would stall the rollouts a restarted engine takes over.
+        began = time.monotonic()
         await warm_up(self._llm, self._vocab, greedy=self._greedy_only)
+        log.info("vLLM engine warmed up in %.1f s", time.monotonic() - began)
         # vLLM, torch and the model make a heap of ~700k long-lived objects, and each full
         # collection walks all of them: a pause of 0.5-1 s of this event loop (which serves
         # every stream, and the heartbeat) whenever streaming's garbage triggers one.
