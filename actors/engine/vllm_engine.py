@@ -183,8 +183,9 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         # Named after this process: the next engine to start on the node removes it if this
-        # one dies too hard to run erlay_terminate (staging).
-        staging.sweep()
+        # one dies too hard to run erlay_terminate (staging).  In a thread: removing a dead
+        # engine's model copy can take a while, and this loop answers the supervisor.
+        await asyncio.to_thread(staging.sweep)
         self._stage = tempfile.mkdtemp(prefix=staging.owner_prefix(),
                                        dir=staging.staging_root())
         if self._hf:
