@@ -182,6 +182,12 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_CACHE_GB))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        if await asyncio.to_thread(_on_cpu):
+            # vLLM torch.compiles small sampler helpers on first use: on CPU that is 5-15 s of
+            # inductor and g++ in every engine start (its cache does not apply), for kernels
+            # that are cheap eager at CPU batch sizes.  Eager on CPU; GPUs keep the compile,
+            # done by the warm-up below.
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
         # Named after this process: the next engine to start on the node removes it if this
         # one dies too hard to run erlay_terminate (staging).  In a thread: removing a dead
         # engine's model copy can take a while, and this loop answers the supervisor.

@@ -96,16 +96,16 @@ def compiled_graphs(eng: ChildRef) -> list[int]:
     return [w["compiled_graphs"] for w in ray.get(eng.processes.remote())["workers"]]
 
 
-def test_a_ready_engine_has_compiled_its_sampler_and_serving_compiles_nothing(
-        tree: Any) -> None:
-    """First in the file, so nothing has been served before.  vLLM compiles its sampler's
-    logprob ranks on its first batch (seconds); the engine's warm-up must have done that
-    before it was ready, or a restarted engine stalls the rollouts it takes over."""
+def test_serving_compiles_nothing_after_ready(tree: Any) -> None:
+    """First in the file, so nothing has been served before.  vLLM torch.compiles sampler
+    helpers on first use (seconds): a restarted engine would stall the rollouts it takes
+    over.  On CPU the engine runs them eager (TORCH_COMPILE_DISABLE), elsewhere its warm-up
+    compiles them before ready; either way serving must compile nothing."""
     import ray
     for i in (0, 1):
         eng = engine(tree, i)
         before = compiled_graphs(eng)
-        assert before and all(n >= 1 for n in before), f"engine-{i} served cold: {before}"
+        assert before, f"engine-{i} reported no worker"
         temperature = 0.0 if i == 1 else 1.0   # engine-1 speculates: greedy only on CPU
         streams = [eng.generate.remote(request(f"warm-{i}-{j}", new=4,
                                                temperature=temperature).to_dict())
