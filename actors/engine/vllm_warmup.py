@@ -8,7 +8,9 @@ start-up time, but an engine restarted after a failure is admitted to the pool a
 takes over the failed engine's in-flight rollouts, which would all wait for that compile:
 the resume measured 4.5-6.1 s instead of about 0.5 s (docs/performance.md).  So the engine
 runs a throwaway batch of the serving path's shape in ``erlay_ready``, before the
-supervisor sees it ready.
+supervisor sees it ready.  On CPU the engine also sets ``TORCH_COMPILE_DISABLE=1`` (the
+compile cost 5-15 s per start there, uncached), so there the warm-up compiles nothing and
+only exercises the serving path once.
 """
 
 from __future__ import annotations
