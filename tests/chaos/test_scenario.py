@@ -27,8 +27,8 @@ REQUIRED = ("engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
             "coordinator-crash", "sandbox-attacks", "mixed-soak", "kill-during-weight-update",
             "engine-hang", "sandbox-host-lost", "node-loss", "driver-kill-resume",
             "crash-loop")
-SMOKE = {"engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
-         "coordinator-crash", "crash-loop", "host-sigstop"}
+SMOKE = {"engine-kill", "learner-kill", "judge-fault", "coordinator-crash", "crash-loop",
+         "host-sigstop"}
 LEARNER_KILL = {"inject": "sigkill", "target": "erlay/learner/learner-0", "at": 1}
 
 
