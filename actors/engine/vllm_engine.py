@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from erlay.actors.engine import staging
+from erlay.actors.engine import staging, vllm_cpu
 from erlay.actors.engine.api import (
     EngineFailed,
     EngineStats,
@@ -97,7 +97,6 @@ from erlay.supervisor.reason import ExitKind, ExitReason
 log = logging.getLogger("erlay.engine")
 
 WORKER_EXTENSION = "erlay.actors.engine.vllm_worker.ErlayWorkerExtension"
-DEFAULT_CPU_KV_CACHE_GB = 1
 
 
 def segment_seed(seed: int, start: int) -> int:
@@ -163,6 +162,8 @@ class VllmEngine:
         self._core_watch: ExitWatch | None = None
         self._segments = 0
         self._greedy_only = False
+        self._on_cpu = False
+        self._kv_sized_by_user = False
         self._counters = {"tokens_generated": 0, "requests_submitted": 0,
                           "requests_finished": 0, "requests_aborted": 0, "waves": 0,
                           "decode_steps": 0, "weight_updates": 0, "max_batch_size": 0}
@@ -176,13 +177,13 @@ class VllmEngine:
         if self.torch_threads:
             os.environ.setdefault("OMP_NUM_THREADS", str(self.torch_threads))
         # Defaults for a node the engine shares (set them in node.env to change them): a
-        # small CPU KV cache; no pinning of OpenMP threads, which vLLM would put on core 0
-        # for every engine of the node; vLLM's own sockets on loopback, since its processes
-        # all run on this node.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_CACHE_GB))
+        # small CPU KV cache (vllm_cpu); no pinning of OpenMP threads, which vLLM would put
+        # on core 0 for every engine of the node; vLLM's own sockets on loopback, since its
+        # processes all run on this node.
+        self._kv_sized_by_user = vllm_cpu.set_kv_env_default()
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        on_cpu = await asyncio.to_thread(_on_cpu)
+        self._on_cpu = on_cpu = await asyncio.to_thread(vllm_cpu.on_cpu)
         if on_cpu:
             # vLLM torch.compiles small sampler helpers on first use: on CPU that is 5-15 s of
             # inductor and g++ in every engine start (its cache does not apply), for kernels
@@ -396,10 +397,14 @@ class VllmEngine:
             max_num_seqs=self.max_batch, worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs", seed=self.seed, enforce_eager=True,
             speculative_config=self.speculative_config)
-        if _on_cpu():
-            # On the CPU backend this fraction reserves host memory; the KV cache size is
-            # VLLM_CPU_KVCACHE_SPACE.  vLLM's default (0.92) refuses to start on a busy node.
+        if self._on_cpu:
+            # On the CPU backend this fraction reserves host memory; the KV cache holds
+            # what the engine can use, within VLLM_CPU_KVCACHE_SPACE (vllm_cpu).  vLLM's
+            # default fraction (0.92) refuses to start on a busy node.
             kwargs["gpu_memory_utilization"] = 0.1
+            kwargs.update(vllm_cpu.cpu_kv_args(
+                self.engine_args, self._kv_sized_by_user, self.max_batch,
+                kwargs["max_model_len"], self.speculative_config))
         kwargs.update(self.engine_args)
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
@@ -629,8 +634,3 @@ def _stage_weights(path: str, state: dict[str, Any], hf: bool) -> None:
         else hf_state(state)
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in named.items()}, path)
 
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())

@@ -43,11 +43,18 @@ class ErlayWorkerExtension:
         return {k: list(v.shape) for k, v in model.named_parameters()}
 
     def erlay_process(self, keys: list[str]) -> dict[str, Any]:
-        """This worker process: pid, process group, the named environment variables, and
+        """This worker process: pid, process group, the named environment variables,
         ``compiled_graphs``, the graphs ``torch.compile`` has compiled in it so far (0 if
         nothing imported dynamo): a compile on the serving path stalls a batch for seconds,
-        so a warm engine serves without adding any."""
+        so a warm engine serves without adding any; and ``kv_cache_bytes``, the memory its KV
+        cache tensors hold (distinct storages, so per-layer views of one pool count once)."""
         dynamo = sys.modules.get("torch._dynamo.utils")
         compiled = int(dynamo.counters["stats"]["unique_graphs"]) if dynamo else 0
+        storages = {}
+        for t in getattr(getattr(self, "model_runner", None), "kv_caches", None) or ():
+            for tensor in (t if isinstance(t, (list, tuple)) else (t,)):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
         return {"pid": os.getpid(), "pgid": os.getpgid(0),
-                "env": {k: os.environ.get(k) for k in keys}, "compiled_graphs": compiled}
+                "env": {k: os.environ.get(k) for k in keys}, "compiled_graphs": compiled,
+                "kv_cache_bytes": sum(storages.values())}

