@@ -38,8 +38,12 @@ def test_erlay_sizes_the_cache_only_where_the_user_did_not() -> None:
 @pytest.mark.parametrize(("before", "user"), [(None, False), ("", False), ("4", True)])
 def test_the_reservation_default_keeps_a_users_value(monkeypatch: pytest.MonkeyPatch,
                                                       before: str | None, user: bool) -> None:
+    # Set first, so monkeypatch records the variable's state and undoes what the function
+    # sets: left in this process's environment, it reaches every Ray cluster the suite
+    # starts later, whose engines then take it for the user's (CI caught that).
+    monkeypatch.setenv(vllm_cpu.KV_ENV, "recorded")
     if before is None:
-        monkeypatch.delenv(vllm_cpu.KV_ENV, raising=False)
+        monkeypatch.delenv(vllm_cpu.KV_ENV)
     else:
         monkeypatch.setenv(vllm_cpu.KV_ENV, before)
     assert vllm_cpu.set_kv_env_default() is user
