@@ -367,6 +367,10 @@ class SupervisionSection(Section):
         "local", description="local: each fault domain recovers alone (erlay); job_restart: "
         "any failure restarts the whole job from its last checkpoint, discarding rollouts in "
         "flight (how most RL stacks recover; the chaos suite's baseline)")
+    boot_ahead: bool = Field(
+        True, description="at the job's start, create the learner, engine and host actors "
+        "at once, so their processes load side by side; they are still started (ready, "
+        "reported) in the tree's order.  false: create each after the one before it is up")
     root: DomainFlags = DomainFlags(intensity=3, period=60)
     learner: DomainFlags = DomainFlags()
     generation: DomainFlags = DomainFlags()

@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,14 @@ from erlay.supervisor.imports import import_path
 from erlay.supervisor.progress import Progress, ProgressSnapshot
 from erlay.supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
 from erlay.supervisor.runtime import ChildProcess, StartContext
-from erlay.supervisor.spec import DEFAULT_LIVENESS, ActorStart, Shutdown, ShutdownKind
+from erlay.supervisor.spec import (
+    DEFAULT_LIVENESS,
+    ActorStart,
+    ChildSpec,
+    Shutdown,
+    ShutdownKind,
+    boot_ahead_children,
+)
 
 log = logging.getLogger("erlay.supervisor")
 
@@ -467,21 +475,36 @@ async def _create(remote_cls: Any, opts: dict[str, Any], args: tuple[Any, ...],
             await asyncio.sleep(0.02)
 
 
+def _creation(spec: ActorStart, path: str, incarnation: int, args: tuple[Any, ...]
+              ) -> tuple[Any, dict[str, Any], tuple[Any, ...], dict[str, Any]]:
+    """What ``_create`` needs for one incarnation of the actor child at ``path``."""
+    remote_cls = supervised_class(spec.cls)
+    opts = {"num_cpus": 0, **spec.options, "max_restarts": 0, "name": path}
+    if isinstance(opts.get("scheduling_strategy"), PreferNode):
+        opts["scheduling_strategy"] = opts["scheduling_strategy"].resolve()
+    kwargs = {**spec.kwargs, "_erlay_incarnation": incarnation}
+    if getattr(spec.cls, "_erlay_wants_path", False):
+        kwargs["erlay_path"] = path
+    return remote_cls, opts, (*spec.args, *args), kwargs
+
+
 def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float = 30.0,
                   probe_interval_s: float = 0.5) -> Any:
-    """A starter for :class:`ActorStart` children (see :mod:`erlay.supervisor.runtime`)."""
+    """A starter for :class:`ActorStart` children (see :mod:`erlay.supervisor.runtime`).
+
+    The starter also carries ``launch_ahead(root, children)`` and ``discard_ahead()``, which
+    the tree calls around its boot for ``boot_ahead`` children: the first creates those
+    actors at once, and a boot start of the same path (incarnation 1) then adopts the one
+    created for it; the second kills whatever the boot never reached.
+    """
+    ahead: dict[str, Any] = {}  # path -> actor created at the tree's boot, not yet started
 
     async def start(ctx: StartContext) -> ChildProcess:
         start_spec = ctx.spec.start
         assert isinstance(start_spec, ActorStart)
-        remote_cls = supervised_class(start_spec.cls)
-        opts = {"num_cpus": 0, **start_spec.options, "max_restarts": 0, "name": ctx.path}
-        if isinstance(opts.get("scheduling_strategy"), PreferNode):
-            opts["scheduling_strategy"] = opts["scheduling_strategy"].resolve()
-        kwargs = {**start_spec.kwargs, "_erlay_incarnation": ctx.incarnation}
-        if getattr(start_spec.cls, "_erlay_wants_path", False):
-            kwargs["erlay_path"] = ctx.path
-        handle = await _create(remote_cls, opts, (*start_spec.args, *ctx.args), kwargs)
+        handle = ahead.pop(ctx.path, None) if ctx.incarnation == 1 and not ctx.args else None
+        if handle is None:
+            handle = await _create(*_creation(start_spec, ctx.path, ctx.incarnation, ctx.args))
         timeout_s = start_spec.ready_timeout_s or ready_timeout_s
         try:
             info = await asyncio.wait_for(_get(handle._erlay_ready.remote()), timeout_s)
@@ -496,6 +519,22 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
             proc.start_event_pump()
         return proc
 
+    async def launch_ahead(root: str, children: Sequence[ChildSpec]) -> list[str]:
+        """Create every ``boot_ahead`` actor of the tree ``root`` now; returns their paths."""
+        for path, spec in boot_ahead_children(root, children):
+            ahead[path] = await _create(*_creation(spec, path, 1, ()))
+        return list(ahead)
+
+    def discard_ahead() -> list[str]:
+        """Kill the actors created ahead that no start adopted (the boot failed first)."""
+        left = list(ahead)
+        for handle in ahead.values():
+            ray.kill(handle, no_restart=True)
+        ahead.clear()
+        return left
+
+    start.launch_ahead = launch_ahead  # type: ignore[attr-defined]
+    start.discard_ahead = discard_ahead  # type: ignore[attr-defined]
     return start
 
 

@@ -162,7 +162,8 @@ def host_spec(node_label: str, flags: SupervisorFlags, children: tuple[ChildSpec
               *, node_id: str | None = None, env: Mapping[str, str] | None = None,
               instances: tuple[tuple[Any, ...], ...] = (), restart: str = "permanent",
               shutdown: float | str = "infinity",
-              options: Mapping[str, Any] | None = None) -> ChildSpec:
+              options: Mapping[str, Any] | None = None,
+              boot_ahead: bool = False) -> ChildSpec:
     """The child spec of the host for one node: id ``host@<node>``.
 
     The host is pinned to its node while the node lives; a restart after the node is gone
@@ -170,11 +171,13 @@ def host_spec(node_label: str, flags: SupervisorFlags, children: tuple[ChildSpec
     For a simple_one_for_one host, ``instances`` lists the start args of the instances it
     starts at every boot.  ``options`` are added to the host actor's ``.options()`` (e.g. a
     ``runtime_env`` for the host process itself; ``env`` is for what the host spawns).
+    ``boot_ahead`` is :class:`~erlay.supervisor.spec.ActorStart`'s.
     """
     opts: dict[str, Any] = {"num_cpus": 0, **(options or {})}
     if node_id is not None:
         opts["scheduling_strategy"] = PreferNode(node_id)
     start = ActorStart(NodeHost, args=(flags, tuple(children), dict(env or {}),
-                                       tuple(tuple(a) for a in instances)), options=opts)
+                                       tuple(tuple(a) for a in instances)), options=opts,
+                       boot_ahead=boot_ahead)
     return ChildSpec(host_id(node_label), start, restart=restart, shutdown=shutdown,
                      type="supervisor")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from erlay.supervisor.errors import InvalidSpec
+from erlay.supervisor.naming import child_path
 
 
 class Restart(enum.Enum):
@@ -109,6 +110,13 @@ class ActorStart(StartSpec):
     ``ready_timeout_s`` bounds the constructor plus ``erlay_ready`` (None: the starter's
     default); a child that loads a large engine sets it, and running past it is a start
     failure, which counts against the restart intensity like any other.
+
+    ``boot_ahead`` (a deviation from OTP, off by default): when the *tree* boots, the actor is
+    created at once, so its constructor (a new process importing torch, loading a model) runs
+    beside its elder siblings' instead of after them.  It still counts as started in order:
+    ``erlay_ready`` is awaited, and the start reported, only after every child before it has
+    started.  Set it only when the constructor needs nothing from the children started before
+    it; a boot that fails first kills the actors created ahead.  Restarts never create ahead.
     """
 
     cls: type
@@ -116,6 +124,7 @@ class ActorStart(StartSpec):
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
     ready_timeout_s: float | None = None
+    boot_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.cls, type):
@@ -312,6 +321,23 @@ class SupervisorStart(StartSpec):
     def __post_init__(self) -> None:
         object.__setattr__(self, "children", tuple(self.children))
         validate_children(self.flags, self.children)
+
+
+def boot_ahead_children(path: str, children: Sequence[ChildSpec]
+                        ) -> list[tuple[str, ActorStart]]:
+    """The ``(path, start)`` of every ``boot_ahead`` actor a boot of ``children`` under
+    ``path`` starts, nested supervisors included, in start order.  The template of a
+    simple_one_for_one supervisor is not started at boot, so it is never listed."""
+    found: list[tuple[str, ActorStart]] = []
+    for spec in children:
+        child = child_path(path, spec.id)
+        start = spec.start
+        if isinstance(start, SupervisorStart):
+            if start.flags.strategy is not Strategy.SIMPLE_ONE_FOR_ONE:
+                found += boot_ahead_children(child, start.children)
+        elif isinstance(start, ActorStart) and start.boot_ahead:
+            found.append((child, start))
+    return found
 
 
 def validate_children(flags: SupervisorFlags, children: Sequence[ChildSpec]) -> None:

@@ -72,7 +72,16 @@ class SupervisionTree:
             # that looks up its siblings) can already navigate the tree.
             self.root = Supervisor(self.name, self._flags, self._children,
                                    starters=self._starters, sink=self._sink)
-            await self.root.boot()
+            starter = self._starters.get(ActorStart)
+            launch = getattr(starter, "launch_ahead", None)
+            try:
+                if launch is not None:  # ActorStart.boot_ahead: construct beside the elders
+                    await launch(self.name, self._children)
+                await self.root.boot()
+            finally:
+                if launch is not None and (left := starter.discard_ahead()):
+                    log.info("%s: boot ended before starting %s; killed them", self.name,
+                             ", ".join(left))
             return self.root
 
         try:

@@ -241,13 +241,15 @@ class Job:
                 max_batch=cfg.engine.max_batch, seed=cfg.run.seed, model_dir=vllm.model_dir,
                 speculative_config=vllm.speculative_config, engine_args=dict(vllm.engine_args),
                 rpc_timeout_s=vllm.rpc_timeout_s, torch_threads=cfg.engine.torch_threads),
-                options=options, ready_timeout_s=vllm.start_timeout_s)
+                options=options, ready_timeout_s=vllm.start_timeout_s,
+                boot_ahead=cfg.supervision.boot_ahead)
         from erlay.actors.engine.torch_engine import TorchEngine
         return ActorStart(TorchEngine, args=(model,), kwargs=dict(
             max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
             seed=cfg.run.seed, spec_k=cfg.engine.spec_k,
             spec_max_concurrency=cfg.engine.spec_max_concurrency,
-            spec_verify=cfg.engine.spec_verify), options=opts)
+            spec_verify=cfg.engine.spec_verify), options=opts,
+            boot_ahead=cfg.supervision.boot_ahead)
 
     def build(self) -> SupervisionTree:
         from erlay.actors.job.coordinator import RolloutCoordinator
@@ -275,7 +277,8 @@ class Job:
             lr_min_ratio=cfg.learner.lr_min_ratio, mtp_loss_weight=cfg.learner.mtp_loss_weight,
             checkpoint_dir=str(self.run_dir.checkpoints), ledger_path=str(self.run_dir.ledger),
             checkpoint_keep=cfg.checkpoint.keep, device=cfg.learner.device,
-            **learner_backend_kwargs(cfg), **self._learner_init()), options=learner_opts),
+            **learner_backend_kwargs(cfg), **self._learner_init()), options=learner_opts,
+            boot_ahead=sup.boot_ahead),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
@@ -294,7 +297,7 @@ class Job:
         # (simulated nodes) must not share slots.
         sandbox_hosts = [host_spec(f"node-{i}", pool, (sandbox_template,), node_id=node,
                                    instances=tuple((i * workers + s,) for s in range(workers)),
-                                   options=opts, env=declared)
+                                   options=opts, env=declared, boot_ahead=sup.boot_ahead)
                          for i, node in enumerate(nodes)]
         judge_pool = SupervisorFlags("simple_one_for_one", intensity=sup.judge.intensity,
                                      period=sup.judge.period)
@@ -304,7 +307,7 @@ class Job:
             deadlines={"judge_call": cfg.judge.timeout_s * 3})
         judge_hosts = [host_spec(f"node-{i}", judge_pool, (judge_template,), node_id=node,
                                  instances=tuple(() for _ in range(cfg.judge.workers_per_node)),
-                                 options=opts, env=declared)
+                                 options=opts, env=declared, boot_ahead=sup.boot_ahead)
                        for i, node in enumerate(nodes)]
         coordinator = ChildSpec("coordinator", InProcessStart(RolloutCoordinator, args=(self,)),
                                 restart="transient", significant=True, shutdown=30.0)

@@ -90,3 +90,24 @@ class BlocksItsLoop:
     async def block(self) -> None:
         import time
         time.sleep(3600)
+
+
+class SlowBoot:
+    """Records when its constructor ran (``enter exit`` wall times, one line per instance, in
+    ``log``), after ``delay_s`` of work; ``erlay_ready`` raises if ``fail_ready``."""
+
+    def __init__(self, log: str, name: str, delay_s: float = 0.0,
+                 fail_ready: bool = False) -> None:
+        import time
+        enter = time.time()
+        time.sleep(delay_s)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"{name} {enter} {time.time()}\n")
+        self.fail_ready = fail_ready
+
+    def erlay_ready(self) -> None:
+        if self.fail_ready:
+            raise RuntimeError("planted: not ready")
+
+    def ping(self) -> str:
+        return "pong"
