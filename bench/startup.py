@@ -20,7 +20,7 @@ Stages, all on the wall clock of this one machine:
 fails (exit 1) below :data:`TARGET` (1.25), and ``--plant-in-turn`` runs both sides in turn,
 which must fail it.
 
-    python bench/startup.py [--pairs 3] [--plant-in-turn]
+    python bench/startup.py [--pairs 3] [--plant-in-turn] [--config FILE] [a.b=c ...]
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ def stages(launched: float, run_dir: Path) -> dict[str, float]:
             "first_step_s": started_at + first[0] - launched}
 
 
-def one_run(storage: Path, side: str, ahead: bool, index: int) -> dict[str, float]:
+def one_run(storage: Path, side: str, ahead: bool, index: int, config: Path = CONFIG,
+            extra: tuple[str, ...] = ()) -> dict[str, float]:
     name = f"startup-{index}-{side}"  # the side's name: planted, both sides run in turn
-    cmd = [str(Path(sys.executable).with_name("erlay")), "run", str(CONFIG), "run.steps=1",
+    cmd = [str(Path(sys.executable).with_name("erlay")), "run", str(config), "run.steps=1",
            "warm_start.steps=0", f"run.name={name}",
-           f"supervision.boot_ahead={'true' if ahead else 'false'}"]
+           f"supervision.boot_ahead={'true' if ahead else 'false'}", *extra]
     env = {**os.environ, "ERLAY_STORAGE": str(storage)}
     launched = time.time()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -84,6 +85,8 @@ def one_run(storage: Path, side: str, ahead: bool, index: int) -> dict[str, floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--config", type=Path, default=CONFIG)
+    ap.add_argument("overrides", nargs="*", help="config overrides for every run (a.b=c)")
     ap.add_argument("--plant-in-turn", action="store_true",
                     help="run the boot-ahead side in turn too: boot_speedup must then fail")
     args = ap.parse_args()
@@ -95,13 +98,15 @@ def main() -> int:
             pair: dict[bool, dict[str, float]] = {}
             for ahead in order:
                 side = "ahead" if ahead else "in-turn"
-                pair[ahead] = one_run(Path(tmp), side, ahead and not args.plant_in_turn, i)
+                pair[ahead] = one_run(Path(tmp), side, ahead and not args.plant_in_turn, i,
+                                      args.config, tuple(args.overrides))
                 runs[ahead].append(pair[ahead])
                 print(f"pair {i + 1}/{args.pairs} boot_ahead={ahead}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in pair[ahead].items()),
                       file=sys.stderr, flush=True)
             ratios.append(pair[False]["boot_s"] / pair[True]["boot_s"])
-    result: dict[str, Any] = {"bench": "startup", "config": "configs/cpu.yaml",
+    result: dict[str, Any] = {"bench": "startup", "config": str(args.config),
+                              "overrides": args.overrides,
                               "pairs": args.pairs, "planted_in_turn": args.plant_in_turn}
     print(f"{'stage':<14}{'boot_ahead (shipped)':>26}{'in turn':>26}")
     for stage in ("ray_s", "boot_s", "first_step_s"):

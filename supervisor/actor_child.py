@@ -494,20 +494,26 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
 
     The starter also carries ``launch_ahead(root, children)`` and ``discard_ahead()``, which
     the tree calls around its boot for ``boot_ahead`` children: the first creates those
-    actors at once, and a boot start of the same path (incarnation 1) then adopts the one
-    created for it; the second kills whatever the boot never reached.
+    actors at once and asks each for ``erlay_ready`` (Ray queues the call behind the
+    constructor), and a boot start of the same path (incarnation 1) then adopts the actor
+    and awaits that same answer; the second kills whatever the boot never reached.
     """
-    ahead: dict[str, Any] = {}  # path -> actor created at the tree's boot, not yet started
+    # path -> (actor, its pending _erlay_ready) created at the tree's boot, not yet started
+    ahead: dict[str, tuple[Any, Any]] = {}
 
     async def start(ctx: StartContext) -> ChildProcess:
         start_spec = ctx.spec.start
         assert isinstance(start_spec, ActorStart)
-        handle = ahead.pop(ctx.path, None) if ctx.incarnation == 1 and not ctx.args else None
-        if handle is None:
+        adopted = ahead.pop(ctx.path, None) if ctx.incarnation == 1 and not ctx.args \
+            else None
+        if adopted is None:
             handle = await _create(*_creation(start_spec, ctx.path, ctx.incarnation, ctx.args))
+            ready = handle._erlay_ready.remote()
+        else:
+            handle, ready = adopted
         timeout_s = start_spec.ready_timeout_s or ready_timeout_s
         try:
-            info = await asyncio.wait_for(_get(handle._erlay_ready.remote()), timeout_s)
+            info = await asyncio.wait_for(_get(ready), timeout_s)
         except BaseException as exc:  # noqa: BLE001 - cancelled too: never leak the actor
             ray.kill(handle, no_restart=True)
             if isinstance(exc, TimeoutError):
@@ -522,13 +528,14 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
     async def launch_ahead(root: str, children: Sequence[ChildSpec]) -> list[str]:
         """Create every ``boot_ahead`` actor of the tree ``root`` now; returns their paths."""
         for path, spec in boot_ahead_children(root, children):
-            ahead[path] = await _create(*_creation(spec, path, 1, ()))
+            handle = await _create(*_creation(spec, path, 1, ()))
+            ahead[path] = (handle, handle._erlay_ready.remote())
         return list(ahead)
 
     def discard_ahead() -> list[str]:
         """Kill the actors created ahead that no start adopted (the boot failed first)."""
         left = list(ahead)
-        for handle in ahead.values():
+        for handle, _ in ahead.values():
             ray.kill(handle, no_restart=True)
         ahead.clear()
         return left

@@ -112,11 +112,13 @@ class ActorStart(StartSpec):
     failure, which counts against the restart intensity like any other.
 
     ``boot_ahead`` (a deviation from OTP, off by default): when the *tree* boots, the actor is
-    created at once, so its constructor (a new process importing torch, loading a model) runs
-    beside its elder siblings' instead of after them.  It still counts as started in order:
-    ``erlay_ready`` is awaited, and the start reported, only after every child before it has
-    started.  Set it only when the constructor needs nothing from the children started before
-    it; a boot that fails first kills the actors created ahead.  Restarts never create ahead.
+    created and asked for ``erlay_ready`` at once, so its constructor and ready hook (a new
+    process importing torch, loading a model, starting an engine) run beside its elder
+    siblings' instead of after them.  It still counts as started in order: its readiness is
+    awaited, and the start reported, only after every child before it has started (its
+    ``ready_timeout_s`` counts from then).  Set it only when the constructor and ready hook
+    need nothing from the children started before it; a boot that fails first kills the
+    actors created ahead.  Restarts never create ahead.
     """
 
     cls: type

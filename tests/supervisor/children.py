@@ -93,20 +93,38 @@ class BlocksItsLoop:
 
 
 class SlowBoot:
-    """Records when its constructor ran (``enter exit`` wall times, one line per instance, in
-    ``log``), after ``delay_s`` of work; ``erlay_ready`` raises if ``fail_ready``."""
+    """Logs ``enter NAME T`` and ``exit NAME T`` (wall times) around its constructor, and
+    ``ready NAME T`` when ``erlay_ready`` begins, in ``log``.  The constructor works
+    ``delay_s``, cut short once the line ``until`` (e.g. ``"ready b"``) is logged;
+    ``erlay_ready`` raises if ``fail_ready``, once ``until`` is logged (at most 60 s), so a
+    test can make a boot fail only after a sibling was created ahead."""
 
-    def __init__(self, log: str, name: str, delay_s: float = 0.0,
-                 fail_ready: bool = False) -> None:
+    def __init__(self, log: str, name: str, delay_s: float = 0.0, fail_ready: bool = False,
+                 until: str | None = None) -> None:
         import time
-        enter = time.time()
-        time.sleep(delay_s)
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(f"{name} {enter} {time.time()}\n")
-        self.fail_ready = fail_ready
+        self.log, self.name, self.fail_ready, self.until = log, name, fail_ready, until
+        self._write(f"enter {name} {time.time()}")
+        self._wait_for_until(delay_s)
+        self._write(f"exit {name} {time.time()}")
+
+    def _write(self, line: str) -> None:
+        with open(self.log, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def _wait_for_until(self, budget_s: float) -> None:
+        import time
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
+            with open(self.log, encoding="utf-8") as f:
+                if self.until and f"{self.until} " in f.read():
+                    return
+            time.sleep(0.02)
 
     def erlay_ready(self) -> None:
+        import time
+        self._write(f"ready {self.name} {time.time()}")
         if self.fail_ready:
+            self._wait_for_until(60.0)
             raise RuntimeError("planted: not ready")
 
     def ping(self) -> str:

@@ -29,14 +29,18 @@ FLAGS = SupervisorFlags("one_for_one", intensity=5, period=10)
 
 
 def _slow(cid: str, log: Path, *, ahead: bool, delay_s: float = 0.0,
-          fail_ready: bool = False) -> ChildSpec:
-    return ChildSpec(cid, ActorStart(SlowBoot, args=(str(log), cid, delay_s, fail_ready),
-                                     boot_ahead=ahead))
+          fail_ready: bool = False, until: str | None = None) -> ChildSpec:
+    return ChildSpec(cid, ActorStart(SlowBoot, args=(str(log), cid, delay_s, fail_ready,
+                                                     until), boot_ahead=ahead))
 
 
-def _constructors(log: Path) -> dict[str, tuple[float, float]]:
-    rows = (line.split() for line in log.read_text().splitlines())
-    return {name: (float(enter), float(leave)) for name, enter, leave in rows}
+def _constructors(log: Path) -> dict[str, dict[str, float]]:
+    """name -> {"enter": t, "exit": t} of each constructor that ran."""
+    seen: dict[str, dict[str, float]] = {}
+    for line in log.read_text().splitlines():
+        what, name, when = line.split()
+        seen.setdefault(name, {})[what] = float(when)
+    return seen
 
 
 def test_boot_ahead_children_walks_nested_supervisors_but_not_simple_templates() -> None:
@@ -56,17 +60,18 @@ def test_boot_ahead_children_walks_nested_supervisors_but_not_simple_templates()
 @pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "in-turn"])
 def test_ahead_constructors_overlap_and_starts_stay_in_order(tmp_path: Path,
                                                              ahead: bool) -> None:
-    """The elder's constructor works 1.5 s.  With ``boot_ahead`` the younger's constructor
-    runs during it; without (the planted violation of the overlap), only after it."""
+    """The elder's constructor works until the younger's ``erlay_ready`` has begun, or 5 s.
+    With ``boot_ahead`` the younger's constructor and ready hook run during it; without (the
+    planted violation of the overlap), only after it."""
     import ray
     log, sink = tmp_path / "ctors.log", MemorySink()
     dom = ChildSpec("dom", SupervisorStart(FLAGS, (_slow("b", log, ahead=ahead),)),
                     type="supervisor")
-    tree = SupervisionTree("ba1", FLAGS, [_slow("a", log, ahead=ahead, delay_s=1.5), dom],
-                           sink=sink).start()
+    tree = SupervisionTree("ba1", FLAGS, [_slow("a", log, ahead=ahead, delay_s=5.0,
+                                                until="ready b"), dom], sink=sink).start()
     try:
         ctors = _constructors(log)
-        overlapped = ctors["b"][0] < ctors["a"][1]
+        overlapped = ctors["b"]["ready"] < ctors["a"]["exit"]
         assert overlapped is ahead, ctors
         started = [e.supervisor + "/" + e.child for e in sink.events
                    if e.context is EventKind.START and e.reason == "started"]
@@ -81,10 +86,12 @@ def test_ahead_constructors_overlap_and_starts_stay_in_order(tmp_path: Path,
 def test_a_failed_boot_kills_the_actors_it_created_ahead(tmp_path: Path) -> None:
     import ray
     log = tmp_path / "ctors.log"
-    children = [_slow("a", log, ahead=True, fail_ready=True), _slow("b", log, ahead=True)]
+    # a's ready fails only once b's constructor has entered: b was created ahead.
+    children = [_slow("a", log, ahead=True, fail_ready=True, until="enter b"),
+                _slow("b", log, ahead=True)]
     with pytest.raises(ChildStartError, match="planted: not ready"):
         SupervisionTree("ba2", FLAGS, children).start()
-    assert "b" in _constructors(log)  # b was created ahead: its constructor ran
+    assert "enter" in _constructors(log)["b"]  # b was created ahead: its constructor ran
 
     def gone(name: str) -> bool:
         try:

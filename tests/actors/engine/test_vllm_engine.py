@@ -67,10 +67,11 @@ def tree() -> Iterator[tuple[SupervisionTree, MemorySink]]:
     kwargs = {"initial_state": BASE, "max_batch": 16, "rpc_timeout_s": 60.0}
     sink = MemorySink()
     opts = {"runtime_env": {"env_vars": DECLARED}}
-    # engine-1 speculates (n-gram): vLLM's speculative_config passed through
+    # engine-1 speculates (n-gram): vLLM's speculative_config passed through.  Both start
+    # side by side (boot_ahead), as the job's engines do.
     engines = [ChildSpec(f"engine-{i}", ActorStart(
         VllmEngine, args=(CONFIG.to_dict(),), kwargs={**kwargs, "speculative_config": spec},
-        options=opts, ready_timeout_s=300), deadlines={"decode_step": 60})
+        options=opts, ready_timeout_s=300, boot_ahead=True), deadlines={"decode_step": 60})
         for i, spec in enumerate((None, SPECULATION))]
     t = SupervisionTree("tv", SupervisorFlags("one_for_one", intensity=3, period=600),
                         engines, sink=sink).start()
