@@ -526,9 +526,16 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
         return proc
 
     async def launch_ahead(root: str, children: Sequence[ChildSpec]) -> list[str]:
-        """Create every ``boot_ahead`` actor of the tree ``root`` now; returns their paths."""
+        """Create every ``boot_ahead`` actor of the tree ``root`` now; returns their paths.
+
+        An actor that cannot be created (bad options, a name still held) is left to its turn,
+        where the same error becomes that child's start failure, named, like any other."""
         for path, spec in boot_ahead_children(root, children):
-            handle = await _create(*_creation(spec, path, 1, ()))
+            try:
+                handle = await _create(*_creation(spec, path, 1, ()))
+            except Exception as exc:  # noqa: BLE001 - reported by the start at its turn
+                log.info("%s: not created ahead (%r); it is created at its turn", path, exc)
+                continue
             ahead[path] = (handle, handle._erlay_ready.remote())
         return list(ahead)
 

@@ -102,3 +102,15 @@ def test_a_failed_boot_kills_the_actors_it_created_ahead(tmp_path: Path) -> None
 
     wait_for(lambda: gone("ba2/b") and gone("ba2/a"), timeout=10.0,
              what="the actors created ahead to be killed")
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_an_actor_that_cannot_be_created_ahead_fails_its_start_by_name(tmp_path: Path
+                                                                       ) -> None:
+    """Bad options make Ray refuse the actor at once: the boot still ends in the named start
+    failure a user sees for any child, never in Ray's raw error out of the boot."""
+    bad = ChildSpec("bad", ActorStart(SlowBoot, args=(str(tmp_path / "log"), "bad"),
+                                      options={"num_cpus": -1}, boot_ahead=True))
+    with pytest.raises(ChildStartError, match="ba3/bad"):
+        SupervisionTree("ba3", FLAGS, [bad]).start()
