@@ -12,22 +12,18 @@ cause, with recovery times and time lost; definitions in
 :mod:`erlay.actors.observe.attribution`), the failures one by one, and four figures:
 ``reward.png``, ``throughput.png``, ``restarts.png`` and ``gen_latency.png``.
 ``events.jsonl`` is the source for failures; telemetry spans only for the generation-latency
-distribution.
+distribution.  Reading and analysis live in :mod:`erlay.actors.observe.report_data`; this
+module draws the figures and writes the Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from erlay.actors.observe import goodput
 from erlay.actors.observe.attribution import (
@@ -35,235 +31,28 @@ from erlay.actors.observe.attribution import (
     OTHER,
     AttributionRow,
     Cause,
-    Failure,
     StepWindow,
-    TimeLost,
-    attribution_rows,
-    domain_rows,
-    failures_from_events,
-    job_start,
     share_line,
-    step_windows,
-    time_lost,
 )
 from erlay.actors.observe.figures import throughput_plan, throughput_title
-from erlay.actors.rundir import RunDir, reward_window
-from erlay.supervisor.errors import ErlayError
-from erlay.supervisor.events import EventKind, SupervisorEvent
+from erlay.actors.observe.report_data import (
+    Analysis,
+    NotARunDir,
+    RunData,
+    analyze,
+    is_num,
+    load_run,
+    percentile,
+)
+from erlay.actors.rundir import reward_window
 
 log = logging.getLogger("erlay.report")
 
 REPORT_NAME = "report.md"
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.md")
 CAUSE_COLOURS = {Cause.KILLED: "tab:red", Cause.ERROR: "tab:orange", Cause.HANG: "tab:purple",
                  Cause.LOST: "tab:brown", Cause.START_ERROR: "tab:blue",
                  Cause.UNKNOWN: "tab:gray"}
 MAX_FAILURE_ROWS = 50
-
-
-class NotARunDir(ErlayError):
-    """The path given to ``erlay report`` is not an erlay run directory."""
-
-
-# ------------------------------------------------------------------------------- reading
-@dataclass
-class JsonlRead:
-    """The objects of a JSONL file; ``skipped`` lines did not parse, ``torn`` if the last
-    of them was an unterminated last line (a writer died mid-line)."""
-
-    records: list[dict[str, Any]] = field(default_factory=list)
-    skipped: int = 0
-    torn: bool = False
-
-
-def read_jsonl(path: Path) -> JsonlRead:
-    """Every JSON object line of ``path``, streaming; other lines are counted, not raised."""
-    out = JsonlRead()
-    last_bad = ""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                value = None
-            if isinstance(value, dict):
-                out.records.append(value)
-                last_bad = ""
-            elif line.strip():
-                out.skipped += 1
-                last_bad = line
-    out.torn = bool(last_bad) and not last_bad.endswith("\n")
-    return out
-
-
-def _skip_note(name: str, read: JsonlRead) -> str | None:
-    if not read.skipped:
-        return None
-    if read.torn and read.skipped == 1:
-        return f"{name}: the last line is torn (its writer died mid-line); skipped."
-    return f"{name}: {read.skipped} unreadable line(s) skipped" + (
-        ", the last one torn (its writer died mid-line)." if read.torn else ".")
-
-
-@dataclass
-class RunData:
-    """What a run directory holds, parsed, and ``notes`` on what is missing or damaged."""
-
-    path: Path
-    metrics: list[dict[str, Any]]
-    rl: list[dict[str, Any]]          # phase "rl" records with a numeric time, in file order
-    events: list[SupervisorEvent]
-    gen_latencies: list[float]        # seconds, from "generate" spans
-    status: str | None                # from summary.md; None if there is none
-    detail: str | None
-    planned_steps: int | None
-    recorded_start: float | None      # chaos-report.json started_at
-    notes: list[str] = field(default_factory=list)
-
-
-def check_run_dir(path: Path) -> None:
-    """Raise :class:`NotARunDir` naming what is wrong unless ``path`` is a run directory."""
-    if not path.exists():
-        raise NotARunDir(f"{path} does not exist")
-    if not path.is_dir():
-        raise NotARunDir(f"{path} is not a directory")
-    if any((path / name).is_file() for name in RUN_MARKERS):
-        return
-    runs = sorted(p.name for p in path.iterdir()
-                  if p.is_dir() and any((p / n).is_file() for n in RUN_MARKERS))
-    hint = f"; run directories in it: {', '.join(runs[:3])}" if runs else ""
-    raise NotARunDir(f"{path} is not an erlay run directory (no {', '.join(RUN_MARKERS)})"
-                     f"{hint}")
-
-
-def _is_num(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _summary_fields(text: str) -> tuple[str | None, str | None]:
-    status = re.search(r"^- status: \*\*(.+?)\*\*", text, re.MULTILINE)
-    detail = re.search(r"^- detail: (.+)$", text, re.MULTILINE)
-    return (status.group(1) if status else None, detail.group(1) if detail else None)
-
-
-def _planned_steps(config: Path) -> int | None:
-    try:
-        steps = (yaml.safe_load(config.read_text(encoding="utf-8")) or {})["run"]["steps"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return None
-    return steps if isinstance(steps, int) else None
-
-
-def _read_events(run: RunDir, notes: list[str]) -> list[SupervisorEvent]:
-    if not run.events.is_file():
-        notes.append("no events.jsonl: failures, recovery times and time lost cannot be "
-                     "attributed.")
-        return []
-    read = read_jsonl(run.events)
-    events, bad = [], 0
-    for record in read.records:
-        try:
-            events.append(SupervisorEvent.from_dict(record))
-        except (KeyError, ValueError, TypeError):
-            bad += 1
-    if note := _skip_note("events.jsonl", read):
-        notes.append(note)
-    if bad:
-        notes.append(f"events.jsonl: {bad} line(s) that are not supervisor events skipped.")
-    return events
-
-
-def _read_latencies(path: Path, notes: list[str]) -> list[float]:
-    files = sorted((path / "telemetry").glob("spans-*.jsonl"))
-    if not files:
-        notes.append("no telemetry/spans-*.jsonl: the generation-latency distribution falls "
-                     "back to the per-step figures of metrics.jsonl.")
-        return []
-    out, skipped = [], 0
-    for spans in files:
-        read = read_jsonl(spans)
-        skipped += read.skipped
-        out += [s["end"] - s["start"] for s in read.records if s.get("name") == "generate"
-                and _is_num(s.get("start")) and _is_num(s.get("end"))
-                and 0 < s["start"] <= s["end"]]  # an unset start is written as 0
-    if skipped:
-        notes.append(f"telemetry: {skipped} unreadable span line(s) skipped.")
-    return out
-
-
-def load_run(path: Path) -> RunData:
-    """Parse the run directory at ``path`` (checked with :func:`check_run_dir`)."""
-    check_run_dir(path)
-    path = path.resolve()
-    run = RunDir(path)
-    notes: list[str] = []
-    metrics: list[dict[str, Any]] = []
-    if not run.metrics.is_file():
-        notes.append("no metrics.jsonl: no reward, throughput or goodput figures.")
-    else:
-        read = read_jsonl(run.metrics)
-        metrics = read.records
-        if note := _skip_note("metrics.jsonl", read):
-            notes.append(note)
-        if not metrics:
-            notes.append("metrics.jsonl holds no records: no reward, throughput or goodput "
-                         "figures.")
-    rl = [m for m in metrics if m.get("phase") == "rl" and _is_num(m.get("time"))]
-    if metrics and not rl:
-        notes.append("metrics.jsonl holds no RL step: the run ended before its first one.")
-    status = detail = None
-    if run.summary.is_file():
-        status, detail = _summary_fields(run.summary.read_text(encoding="utf-8",
-                                                               errors="replace"))
-    else:
-        notes.append("no summary.md: the driver did not finish (it crashed, was killed, or "
-                     "is still running); the report covers what was written before.")
-    recorded = None
-    chaos = path / "chaos-report.json"
-    if chaos.is_file():
-        try:
-            value = json.loads(chaos.read_text(encoding="utf-8")).get("started_at")
-            recorded = float(value) if _is_num(value) else None
-        except (json.JSONDecodeError, AttributeError):
-            notes.append("chaos-report.json is unreadable; ignored.")
-    return RunData(path, metrics, rl, _read_events(run, notes), _read_latencies(path, notes),
-                   status, detail, _planned_steps(run.config), recorded, notes)
-
-
-# ------------------------------------------------------------------------------ analysis
-@dataclass(frozen=True)
-class Analysis:
-    """The run's failures and what they cost, in job-relative time where ``start`` is set."""
-
-    start: float | None
-    start_source: str
-    windows: list[StepWindow]
-    failures: list[Failure]
-    lost: TimeLost
-    rows: list[AttributionRow]
-    domains: list[AttributionRow]
-    escalations: int
-
-    def at(self, unix: float) -> float:
-        """Seconds since the job start (0 when the start is unknown)."""
-        return unix - self.start if self.start is not None else 0.0
-
-
-def analyze(data: RunData) -> Analysis:
-    start, source = job_start(data.metrics, data.events, data.recorded_start)
-    windows = step_windows(data.rl, start)
-    failures = failures_from_events(data.events)
-    lost = time_lost(failures, windows, start)
-    escalations = sum(e.context is EventKind.ESCALATION for e in data.events)
-    return Analysis(start, source, windows, failures, lost,
-                    attribution_rows(failures, lost), domain_rows(failures, lost),
-                    escalations)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation."""
-    import numpy as np
-    return float(np.percentile(values, q))
 
 
 # ------------------------------------------------------------------------------- figures
@@ -282,7 +71,7 @@ def _save(fig: Any, dest: Path) -> None:
 
 def plot_reward(data: RunData, analysis: Analysis, dest: Path) -> str | None:
     points = [(m["step"], m["reward_mean"]) for m in data.rl
-              if _is_num(m.get("step")) and _is_num(m.get("reward_mean"))]
+              if is_num(m.get("step")) and is_num(m.get("reward_mean"))]
     if not points:
         return "No RL step recorded a reward_mean: no reward curve."
     plt = _pyplot()
@@ -301,9 +90,9 @@ def plot_reward(data: RunData, analysis: Analysis, dest: Path) -> str | None:
 
 def _rate(record: dict[str, Any], rate_key: str, count_key: str,
           window: StepWindow) -> float | None:
-    if _is_num(record.get(rate_key)):
+    if is_num(record.get(rate_key)):
         return float(record[rate_key])
-    if _is_num(record.get(count_key)) and window.wall_s > 0:
+    if is_num(record.get(count_key)) and window.wall_s > 0:
         return record[count_key] / window.wall_s
     return None
 
@@ -385,10 +174,10 @@ def latency_text(data: RunData) -> str:
         return (f"{len(values)} generation turns (telemetry spans named `generate`): "
                 f"p50 {1000 * p50:.1f} ms, p99 {1000 * p99:.1f} ms, "
                 f"max {1000 * max(values):.1f} ms.")
-    steps = [m for m in data.rl if any(_is_num(m.get(k)) for k in LATENCY_KEYS)]
+    steps = [m for m in data.rl if any(is_num(m.get(k)) for k in LATENCY_KEYS)]
     if steps:
         def worst(key: str) -> str:
-            got = [m[key] for m in steps if _is_num(m.get(key))]
+            got = [m[key] for m in steps if is_num(m.get(key))]
             return f"{1000 * max(got):.1f} ms" if got else "n/a"
         return (f"No telemetry spans; per-step figures from metrics.jsonl ({len(steps)} "
                 f"steps): worst p50 {worst(LATENCY_KEYS[0])}, worst p99 "
@@ -399,7 +188,7 @@ def latency_text(data: RunData) -> str:
 
 def plot_gen_latency(data: RunData, analysis: Analysis, dest: Path) -> str | None:
     values = [1000 * v for v in data.gen_latencies]
-    steps = [m for m in data.rl if any(_is_num(m.get(k)) for k in LATENCY_KEYS)]
+    steps = [m for m in data.rl if any(is_num(m.get(k)) for k in LATENCY_KEYS)]
     if not values and not steps:
         return latency_text(data)
     plt = _pyplot()
@@ -414,8 +203,8 @@ def plot_gen_latency(data: RunData, analysis: Analysis, dest: Path) -> str | Non
                title="Generation tail latency (telemetry spans)")
     else:
         for key, label in zip(LATENCY_KEYS, ("p50", "p99", "max"), strict=True):
-            points = [(m["step"], 1000 * m[key]) for m in steps if _is_num(m.get(key))
-                      and _is_num(m.get("step"))]
+            points = [(m["step"], 1000 * m[key]) for m in steps if is_num(m.get(key))
+                      and is_num(m.get("step"))]
             if points:
                 ax.plot(*zip(*points, strict=True), marker=".", label=label)
         ax.set(xlabel="RL step", ylabel="generation latency (ms)",
@@ -475,7 +264,7 @@ def _time_efficiency(final: dict[str, Any]) -> Any:
 
 
 def _overview(data: RunData, a: Analysis) -> list[str]:
-    steps = [m["step"] for m in data.rl if _is_num(m.get("step"))]
+    steps = [m["step"] for m in data.rl if is_num(m.get("step"))]
     planned = f" of {data.planned_steps} planned" if data.planned_steps else ""
     span = f" (steps {min(steps)}–{max(steps)})" if steps else ""
     status = (f"{data.status} (summary.md)" if data.status else
@@ -484,12 +273,12 @@ def _overview(data: RunData, a: Analysis) -> list[str]:
         status += f"; {_cell(data.detail, 120)}"
     rows = [("status", status), ("RL steps", f"{len(data.rl)}{planned}{span}"),
             ("RL wall time", f"{a.lost.rl_wall_s:.1f} s (the sum of the step windows)")]
-    rewards = [float(m["reward_mean"]) for m in data.rl if _is_num(m.get("reward_mean"))]
+    rewards = [float(m["reward_mean"]) for m in data.rl if is_num(m.get("reward_mean"))]
     if rewards:
         first, last = reward_window(rewards)
         rows.append(("reward", f"{first:.3f} (first 10% of steps) → {last:.3f} (last 10%)"))
-    samples = sum(m["samples"] for m in data.rl if _is_num(m.get("samples")))
-    tokens = sum(m["gen_tokens"] for m in data.rl if _is_num(m.get("gen_tokens")))
+    samples = sum(m["samples"] for m in data.rl if is_num(m.get("samples")))
+    tokens = sum(m["gen_tokens"] for m in data.rl if is_num(m.get("gen_tokens")))
     rows.append(("samples / generated tokens", f"{samples} / {tokens}"))
     if a.lost.rl_wall_s > 0:
         rows.append(("throughput", f"{samples / a.lost.rl_wall_s:.1f} samples/s, "
@@ -505,7 +294,7 @@ def _overview(data: RunData, a: Analysis) -> list[str]:
                  if a.lost.rl_wall_s > 0 else "— (no RL step recorded)"))
     final = data.rl[-1] if data.rl else {}
     reported = {"time_efficiency": _time_efficiency(final), "lost_s": final.get("lost_s")}
-    shown = [f"{k}={v}" for k, v in reported.items() if _is_num(v)]
+    shown = [f"{k}={v}" for k, v in reported.items() if is_num(v)]
     if shown:
         rows.append(("job-reported (last RL step)", ", ".join(shown)))
     rows.append(("job start (time zero)", a.start_source))

@@ -18,11 +18,8 @@ from typing import Any, cast
 
 import pytest
 
-from erlay.actors.observe.status import (
-    Cluster,
-    JobEntry,
-    choose_job,
-    cli_status,
+from erlay.actors.observe.status import Cluster, JobEntry, choose_job, cli_status
+from erlay.actors.observe.status_view import (
     flatten,
     format_age,
     render_json,
