@@ -22,6 +22,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 log = logging.getLogger(__name__)
 
 
@@ -87,3 +89,16 @@ class ExitWatch:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def engine_core_pid(workers: list[dict[str, Any]]) -> int | None:
+    """The EngineCore's pid.  vLLM's workers run in it with one device on GPU (the ``uni``
+    executor: the worker's parent is this actor), and as its children on CPU."""
+    if not workers:
+        return None
+    worker = int(workers[0]["pid"])
+    try:
+        parent = psutil.Process(worker).ppid()
+    except psutil.NoSuchProcess:
+        return None
+    return worker if parent == os.getpid() else parent

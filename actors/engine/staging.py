@@ -11,6 +11,8 @@ A live owner is never swept: a pid that exists (even reused by another process) 
 directory, which errs toward leaking one directory over deleting a live one.  Directories of
 another host (a shared ``/dev/shm`` across containers) and names not in this form (other
 tools, older erlay) are left alone.
+
+:func:`stage_weights` writes one weight update into such a directory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from erlay.actors.model.hf_export import hf_state
 
 log = logging.getLogger(__name__)
 
@@ -88,3 +95,14 @@ def sweep(root: str | None = None, host: str | None = None,
         log.info("removed %d staging directories of dead vLLM engines under %s",
                  len(removed), root)
     return removed
+
+
+def stage_weights(path: str, state: dict[str, Any], hf: bool) -> None:
+    """Write ``state`` for the workers' ``load_weights``: an HF model's names as they are
+    (without erlay's ``mtp.*`` heads, which vLLM does not serve), the built-in model's
+    renamed to GPT-2's."""
+    from safetensors.numpy import save_file
+
+    named = {k: v for k, v in state.items() if not k.startswith("mtp.")} if hf \
+        else hf_state(state)
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in named.items()}, path)

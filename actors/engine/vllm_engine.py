@@ -86,10 +86,10 @@ from erlay.actors.engine.api import (
     drain_chunks,
 )
 from erlay.actors.engine.core import validate_request
-from erlay.actors.engine.core_watch import ExitWatch, core_processes
+from erlay.actors.engine.core_watch import ExitWatch, core_processes, engine_core_pid
 from erlay.actors.engine.vllm_warmup import warm_up
 from erlay.actors.model.build import is_hf
-from erlay.actors.model.hf_export import hf_state, read_model_dir, write_model_dir
+from erlay.actors.model.hf_export import read_model_dir, write_model_dir
 from erlay.supervisor.procs import OwnGroup
 from erlay.supervisor.progress import Progress
 from erlay.supervisor.reason import ExitKind, ExitReason
@@ -300,7 +300,7 @@ class VllmEngine:
             try:
                 path = os.path.join(self._stage or staging.staging_root(),
                                     f"weights-v{version}.st")
-                await asyncio.to_thread(_stage_weights, path, state, self._hf)
+                await asyncio.to_thread(staging.stage_weights, path, state, self._hf)
                 cut = [r for r in self._requests.values() if r.segment and not r.done]
                 for req in cut:
                     req.cut = True
@@ -340,7 +340,7 @@ class VllmEngine:
         workers = list(await self._rpc(self._llm.collective_rpc(
             "erlay_process", args=(list(keys or []),), timeout=self.rpc_timeout_s), "probe"))
         return {"pid": os.getpid(), "pgid": os.getpgid(0), "workers": workers,
-                "engine_core": _engine_core(workers)}
+                "engine_core": engine_core_pid(workers)}
 
     async def group_members(self) -> list[int]:
         """Every other live process of this child's group: what a stop would kill."""
@@ -607,30 +607,3 @@ class VllmEngine:
             self.progress.begin("decode_step", work=f"{active} requests")
         else:
             self.progress.end()
-
-
-def _engine_core(workers: list[dict[str, Any]]) -> int | None:
-    """The EngineCore's pid.  vLLM's workers run in it with one device on GPU (the ``uni``
-    executor: the worker's parent is this actor), and as its children on CPU."""
-    import psutil
-
-    if not workers:
-        return None
-    worker = int(workers[0]["pid"])
-    try:
-        parent = psutil.Process(worker).ppid()
-    except psutil.NoSuchProcess:
-        return None
-    return worker if parent == os.getpid() else parent
-
-
-def _stage_weights(path: str, state: dict[str, Any], hf: bool) -> None:
-    """Write ``state`` for the workers' ``load_weights``: an HF model's names as they are
-    (without erlay's ``mtp.*`` heads, which vLLM does not serve), the built-in model's
-    renamed to GPT-2's."""
-    from safetensors.numpy import save_file
-
-    named = {k: v for k, v in state.items() if not k.startswith("mtp.")} if hf \
-        else hf_state(state)
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in named.items()}, path)
-
