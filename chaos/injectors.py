@@ -154,8 +154,10 @@ class Injector:
         hang for the child's progress deadline to find) of one child's process; with
         ``during``, once the child holds work in that phase."""
         path = self.resolve(pattern)
+        missed = ""
         if during is not None and not self.wait_for_phase(path, during):
             log.warning("chaos: %s never entered %s; signalling it anyway", path, during)
+            missed = f", outside {during} (not seen in it within the wait)"
         pid = self._pid(path)
         os.kill(pid, SIGNALS[kind])
         if kind == "sigstop" and stop_s is not None:
@@ -164,7 +166,8 @@ class Injector:
             timer.start()
             self._timers.append(timer)
         return self._record(kind, path, expect, f"pid {pid}" + (
-            f", SIGCONT after {stop_s:g} s" if kind == "sigstop" and stop_s is not None else ""))
+            f", SIGCONT after {stop_s:g} s" if kind == "sigstop" and stop_s is not None
+            else "") + missed)
 
     def ray_kill(self, pattern: str, expect: str = "restart") -> FaultRecord:
         """``ray.kill`` of an actor child or a host (Ray's own way to lose an actor)."""

@@ -1,0 +1,42 @@
+"""The signal injector's phase wait, on a real process and a tree snapshot without Ray."""
+
+from __future__ import annotations
+
+import subprocess
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from erlay.chaos.injectors import Injector
+
+
+class _Tree:
+    """The two calls the injector makes of a job's tree: a snapshot, and a child's pid."""
+
+    def __init__(self, pid: int, phase: str | None) -> None:
+        self.info = {"pid": pid, "node_id": None}
+        self.phase = phase
+
+    def snapshot(self, timeout: float | None = None) -> dict[str, Any]:
+        row = {"id": "learner", "info": self.info, "phase": self.phase, "children": []}
+        return {"path": "erlay", "children": [row]}
+
+    def ref(self, path: str) -> Any:
+        return SimpleNamespace(process=SimpleNamespace(info=self.info))
+
+
+@pytest.mark.parametrize("phase", ["train_step", None])
+def test_a_signal_records_whether_it_landed_in_the_phase_it_waited_for(phase: str | None
+                                                                       ) -> None:
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        injector = Injector(SimpleNamespace(tree=_Tree(proc.pid, phase)))  # type: ignore[arg-type]
+        record = injector.signal("sigkill", "erlay/learner", during="train_step")
+        assert proc.wait(timeout=10) == -9
+        assert record.target == "erlay/learner"
+        # A fault that never saw its phase says so in the record the chaos report shows.
+        assert ("outside train_step" in record.detail) is (phase is None), record.detail
+    finally:
+        proc.kill()
+        proc.wait()
