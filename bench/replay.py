@@ -37,6 +37,9 @@ line:
   and ``notify`` (to the rollout's stream raising) (:data:`DETECTION`); None otherwise.
   For vLLM, ``prefill`` runs from handing the request to vLLM to its first output, so it
   holds vLLM's own queueing and the first token, and ``decode`` is only the chunk's making.
+- ``resume_by_kill``: per kill, its failovers and their ``resume_ms_p50``
+  (:func:`resume_by_kill`); a kill's rollouts resume together, so the pooled p50 rests on
+  as many independent samples as there were kills
 - ``identical_to_fault_free``: every step's completions are token-for-token those of the
   fault-free run (compared by per-step digests of every rollout's tokens)
 - ``continuations``: turns continued from a prefix on another engine, as the journal records
@@ -352,6 +355,20 @@ def resume_stages(killed_at: list[float], resumes: list[Resume]) -> dict[str, li
     return out
 
 
+def resume_by_kill(killed_at: list[float], resumes: list[Resume]) -> list[dict[str, Any]]:
+    """Per kill, in kill order: its failovers and their ``resume_ms_p50`` (None without
+    any).  A resume belongs to the latest kill before its stream failed, as in
+    :func:`resume_stages`.  The pooled p50 mixes kills whose survivors differ; a kill's own
+    rollouts resume together, so two kills are two samples, not hundreds."""
+    totals: list[list[float]] = [[] for _ in killed_at]
+    for r in resumes:
+        kills = [i for i, k in enumerate(killed_at) if k <= r.failed_at + 1e-3]
+        if kills:
+            i = max(kills, key=lambda j: killed_at[j])
+            totals[i].append((r.first_chunk_at - killed_at[i]) * 1000)
+    return [{"failovers": len(ms), "resume_ms_p50": p50(ms)} for ms in totals]
+
+
 def p50(values: list[float]) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
@@ -380,6 +397,7 @@ def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
         "resume_ms_p99": round(percentile(stages["resume"], 0.99), 1)
         if stages["resume"] else None,
         **{f"{name}_ms_p50": p50(stages[name]) for name, _, _ in (*STAGES, *DETECTION)},
+        "resume_by_kill": resume_by_kill(killed_at, runner.resumes),
         "identical_to_fault_free": bool(want) and want == got,
         "steps": len(got),
         "restarts_seen": max(restarts) if restarts else 0,
@@ -427,6 +445,9 @@ def main() -> None:
                 print(f"  {part:12s} {first + ' -> ' + last:28s} "
                       f"{out[part + '_ms_p50']!s:>8}")
     print(f"{'resume':14s} {'kill -> first_chunk':28s} {out['resume_ms_p50']!s:>8}")
+    for i, kill in enumerate(out.get("resume_by_kill") or []):
+        print(f"  kill {i + 1:<9d} {str(kill['failovers']) + ' failovers':28s} "
+              f"{kill['resume_ms_p50']!s:>8}")
     print(json.dumps(out))
 
 

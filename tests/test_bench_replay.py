@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from bench.replay import STAGES, EngineView, PrefillLedger, pick_victim, resume_stages, turn_of
+from bench.replay import (
+    STAGES,
+    EngineView,
+    PrefillLedger,
+    pick_victim,
+    resume_by_kill,
+    resume_stages,
+    turn_of,
+)
 from erlay.actors.job.domains import EngineBatcher
 from erlay.actors.job.rollout import Resume
 from erlay.supervisor.errors import ChildNotRunning
@@ -128,6 +136,16 @@ def test_a_resume_counts_from_the_last_kill_before_its_failure_and_none_without_
     stages = resume_stages([5.0, 8.0], [resume(6.0, 6.0, 7.0, rid="a"),
                                         resume(4.0, 4.0, 4.5, rid="before-any-kill")])
     assert [round(v) for v in stages["resume"]] == [2000]
+
+
+def test_each_kill_reports_the_resumes_it_caused_apart() -> None:
+    resumes = [resume(5.1, 5.1, 5.3, rid="a"), resume(5.2, 5.2, 5.7, rid="b"),
+               resume(5.1, 5.1, 5.5, rid="c"), resume(8.1, 8.1, 9.0, rid="d"),
+               resume(4.0, 4.0, 4.5, rid="before-any-kill")]
+    by_kill = resume_by_kill([5.0, 8.0, 12.0], resumes)
+    assert by_kill == [{"failovers": 3, "resume_ms_p50": 500.0},
+                       {"failovers": 1, "resume_ms_p50": 1000.0},
+                       {"failovers": 0, "resume_ms_p50": None}]
 
 
 # ---------------------------------------------------------------------- kill schedule
