@@ -120,7 +120,8 @@ class Injector:
         info = self.job.tree.ref(path).process.info
         if not info.get("pid"):
             raise LookupError(f"{path} reports no pid")
-        if info.get("node_id") not in (None, ray.get_runtime_context().get_node_id()):
+        node = info.get("node_id")   # None: the child did not say; take it as this node
+        if node is not None and node != ray.get_runtime_context().get_node_id():
             raise LookupError(f"{path} runs on another node; signals stay on this machine")
         return int(info["pid"])
 

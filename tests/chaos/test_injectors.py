@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import ray
 
 from erlay.chaos.injectors import Injector
 
@@ -26,9 +27,16 @@ class _Tree:
         return SimpleNamespace(process=SimpleNamespace(info=self.info))
 
 
+def _no_ray() -> None:
+    raise AssertionError("the injector consulted Ray for a child that named no node")
+
+
 @pytest.mark.parametrize("phase", ["train_step", None])
-def test_a_signal_records_whether_it_landed_in_the_phase_it_waited_for(phase: str | None
-                                                                       ) -> None:
+def test_a_signal_records_whether_it_landed_in_the_phase_it_waited_for(
+        phase: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A child that names no node is taken as this node's: asking Ray would start (or, with
+    # a stale address left by an earlier test, hang connecting to) a cluster.
+    monkeypatch.setattr(ray, "get_runtime_context", _no_ray)
     proc = subprocess.Popen(["sleep", "60"])
     try:
         injector = Injector(SimpleNamespace(tree=_Tree(proc.pid, phase)))  # type: ignore[arg-type]
