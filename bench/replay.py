@@ -333,6 +333,13 @@ DETECTION = (
 )
 
 
+def kill_of(killed_at: list[float], r: Resume) -> int | None:
+    """The index of the kill that caused resume ``r``: the latest one before its stream
+    failed (None if none was)."""
+    before = [i for i, k in enumerate(killed_at) if k <= r.failed_at + 1e-3]
+    return max(before, key=killed_at.__getitem__) if before else None
+
+
 def resume_stages(killed_at: list[float], resumes: list[Resume]) -> dict[str, list[float]]:
     """Milliseconds of each resume (``resume``: the kill that caused it to its first new
     chunk) and of each of its :data:`STAGES`, by name.  A resume's kill is the latest one
@@ -341,10 +348,10 @@ def resume_stages(killed_at: list[float], resumes: list[Resume]) -> dict[str, li
     out: dict[str, list[float]] = {"resume": [], **{name: [] for name, _, _
                                                     in (*STAGES, *DETECTION)}}
     for r in resumes:
-        kills = [k for k in killed_at if k <= r.failed_at + 1e-3]
-        if not kills:
+        kill = kill_of(killed_at, r)
+        if kill is None:
             continue
-        at = {"kill": max(kills), "failed": r.failed_at, "dispatched": r.dispatched_at,
+        at = {"kill": killed_at[kill], "failed": r.failed_at, "dispatched": r.dispatched_at,
               "first_chunk": r.first_chunk_at, **(r.engine or {})}
         if r.engine_failed_at is not None:
             at["engine_failed"] = r.engine_failed_at
@@ -362,10 +369,9 @@ def resume_by_kill(killed_at: list[float], resumes: list[Resume]) -> list[dict[s
     rollouts resume together, so two kills are two samples, not hundreds."""
     totals: list[list[float]] = [[] for _ in killed_at]
     for r in resumes:
-        kills = [i for i, k in enumerate(killed_at) if k <= r.failed_at + 1e-3]
-        if kills:
-            i = max(kills, key=lambda j: killed_at[j])
-            totals[i].append((r.first_chunk_at - killed_at[i]) * 1000)
+        kill = kill_of(killed_at, r)
+        if kill is not None:
+            totals[kill].append((r.first_chunk_at - killed_at[kill]) * 1000)
     return [{"failovers": len(ms), "resume_ms_p50": p50(ms)} for ms in totals]
 
 
