@@ -49,7 +49,7 @@ from erlay.supervisor.health import Quarantine, quarantine_verdict
 from erlay.supervisor.imports import import_path
 from erlay.supervisor.progress import Progress, ProgressSnapshot
 from erlay.supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
-from erlay.supervisor.runtime import ChildProcess, StartContext
+from erlay.supervisor.runtime import ChildProcess, StartContext, cancel_safe
 from erlay.supervisor.spec import (
     DEFAULT_LIVENESS,
     ActorStart,
@@ -524,6 +524,8 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
         if getattr(start_spec.cls, "_erlay_event_source", False):
             proc.start_event_pump()
         return proc
+
+    cancel_safe(start)   # its ready wait kills the actor on any exit, cancellation included
 
     async def launch_ahead(root: str, children: Sequence[ChildSpec]) -> list[str]:
         """Create every ``boot_ahead`` actor of the tree ``root`` now; returns their paths.

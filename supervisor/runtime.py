@@ -13,6 +13,12 @@ including a bug in the shell, it stops every child it started before its exit re
 
 Deviations from OTP:
 
+- A shutdown cancels a restart in progress (a start after a crash, or through the dynamic
+  API) whose starter is :func:`cancel_safe`, instead of waiting for it: an engine start takes
+  tens of seconds, and a hung one lasts until its ready timeout.  The cancelled start is a
+  start error ("start cancelled: ...") and counts toward no restart intensity, since the
+  supervisor terminates next.  Boot starts, and unmarked starters, are waited for, as in OTP.
+
 - Nested supervisors run as tasks in the same event loop as their parent rather than as
   separate processes.  A supervisor is cheap; only children need process isolation.
 - Killing a nested supervisor (its parent's brutal_kill or a timeout) brutally stops its
@@ -50,6 +56,8 @@ from erlay.supervisor.spec import (
 )
 
 log = logging.getLogger("erlay.supervisor")
+
+CANCELLED_START = "start cancelled: the supervisor is shutting down"
 
 
 class ChildProcess(Protocol):
@@ -90,6 +98,16 @@ class StartContext:
 Starter = Callable[[StartContext], Awaitable[ChildProcess]]
 
 
+def cancel_safe(starter: Any) -> Any:
+    """Mark ``starter`` as leaving nothing running when its start is cancelled.
+
+    A supervisor asked to shut down cancels a *restart* in progress only when its starter is
+    marked (see :meth:`Supervisor.shutdown`); an unmarked starter's start is waited for, as
+    in OTP.  Returns ``starter``."""
+    starter.erlay_cancel_safe = True
+    return starter
+
+
 class Supervisor:
     """An OTP supervisor running in the current event loop.
 
@@ -119,6 +137,8 @@ class Supervisor:
         self._deadlines_changed = asyncio.Event()
         self._exit: asyncio.Future[ExitReason] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._starting: asyncio.Task[ChildProcess] | None = None   # a cancellable start
+        self._shutting_down = False
 
     # ------------------------------------------------------------------------ lifecycle
     async def boot(self) -> None:
@@ -146,6 +166,10 @@ class Supervisor:
         if self.exited:
             return self._exit.result()  # type: ignore[union-attr]
         self._brutal = self._brutal or brutal
+        self._shutting_down = True
+        if self._starting is not None and not self._starting.done():
+            # Before the call below is queued, so no retry of this start can run first.
+            self._starting.cancel()
         await self._call(lambda ref: core.ShutdownCall(ref, reason))
         return await self.wait_exit()
 
@@ -261,7 +285,7 @@ class Supervisor:
             match action:
                 case core.Start(cid, inc, ctx, ref):
                     try:
-                        await self._start(cid, inc)
+                        await self._start(cid, inc, cancellable=ctx is not core.Context.BOOT)
                     except Exception as exc:  # noqa: BLE001 - any start failure is a result
                         failed = core.StartFailed(cid, inc, _describe(exc), ctx, ref)
                         plan = self._feedback(failed, plan, replace=True)
@@ -286,11 +310,14 @@ class Supervisor:
                 case core.Terminate():
                     pass  # the main loop sees the TERMINATED phase and finishes
 
-    async def _start(self, cid: str, inc: int) -> None:
+    async def _start(self, cid: str, inc: int, *, cancellable: bool = False) -> None:
         rec = self.state.children[cid]
         starter = self._starter_for(rec.spec.start)
         ctx = StartContext(rec.spec, child_path(self.path, cid), inc, rec.args, self)
-        proc = await starter(ctx)
+        if cancellable and getattr(starter, "erlay_cancel_safe", False):
+            proc = await self._cancellable_start(starter, ctx)
+        else:
+            proc = await starter(ctx)
         self._procs[cid] = proc
         self._incarnations[cid] = inc
         self._health[cid] = Health.new(self.clock.monotonic())
@@ -298,6 +325,29 @@ class Supervisor:
                                                   name=f"{ctx.path}#{inc}:watch")
         if rec.spec.poll_interval_s is not None:
             self._deadlines_changed.set()
+
+    async def _cancellable_start(self, starter: Starter, ctx: StartContext) -> ChildProcess:
+        """Run one start that :meth:`shutdown` may cancel; its cancellation is a start error.
+
+        Our own task's cancellation (the supervisor killed) still propagates as such."""
+        task = asyncio.ensure_future(starter(ctx))
+        self._starting = task
+        if self._shutting_down:
+            task.cancel()
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():   # we were cancelled, not the start: the supervisor is killed
+                task.cancel()
+                raise
+            raise ChildStartError(ctx.path, CANCELLED_START) from None
+        except Exception as exc:
+            if self._shutting_down:   # a starter that turned its cancellation into an error
+                raise ChildStartError(ctx.path, f"{CANCELLED_START} ({_describe(exc)})") \
+                    from None
+            raise
+        finally:
+            self._starting = None
 
     def _starter_for(self, start: StartSpec) -> Starter:
         if isinstance(start, SupervisorStart):

@@ -101,6 +101,9 @@ class SubprocessChild:
         try:
             done, _ = await asyncio.wait({ready, self._exit}, timeout=timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:   # a cancelled start leaves nothing running
+            self.keeper.kill_group(self.pid)
+            raise
         finally:
             loop.remove_reader(fd)
         if ready in done and ready.result():

@@ -25,7 +25,13 @@ from erlay.supervisor.events import EventSink, LoggingSink
 from erlay.supervisor.hosted import InProcessChild
 from erlay.supervisor.procs import ProcessKeeper, process_keeper
 from erlay.supervisor.reason import ExitKind, ExitReason
-from erlay.supervisor.runtime import ChildProcess, NestedSupervisor, Starter, Supervisor
+from erlay.supervisor.runtime import (
+    ChildProcess,
+    NestedSupervisor,
+    Starter,
+    Supervisor,
+    cancel_safe,
+)
 from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
@@ -42,7 +48,7 @@ log = logging.getLogger("erlay.supervisor")
 
 def default_starters(keeper: ProcessKeeper) -> dict[type[StartSpec], Starter]:
     return {ActorStart: actor_starter(), InProcessStart: InProcessChild.start,
-            SubprocessStart: partial(SubprocessChild.start, keeper=keeper)}
+            SubprocessStart: cancel_safe(partial(SubprocessChild.start, keeper=keeper))}
 
 
 class SupervisionTree:

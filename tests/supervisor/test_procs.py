@@ -105,3 +105,51 @@ def test_own_group_children_die_with_a_sigkilled_leader() -> None:
     finally:
         host.kill()
         host.wait(timeout=10)
+
+
+def test_a_cancelled_subprocess_start_leaves_nothing_running() -> None:
+    """Its starter is cancel_safe (a shutdown cancels a restart in progress): cancelled while
+    it waits for the child's ready signal, it kills the child's group."""
+    import asyncio
+
+    from erlay.supervisor.spec import ChildSpec, SubprocessStart
+    from erlay.supervisor.subprocess_child import SubprocessChild
+
+    keeper = ProcessKeeper()
+    spawned: list[subprocess.Popen[bytes]] = []
+    spawn = keeper.spawn
+
+    def recording_spawn(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        spawned.append(spawn(*args, **kwargs))  # type: ignore[arg-type]
+        return spawned[-1]
+
+    keeper.spawn = recording_spawn  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        from erlay.supervisor.runtime import StartContext
+
+        spec = ChildSpec("never-ready", SubprocessStart(SLEEPER, wait_ready=True,
+                                                        ready_timeout_s=60))
+        ctx = StartContext(spec, "root/never-ready", 1, (), None)  # type: ignore[arg-type]
+        start = asyncio.create_task(SubprocessChild.start(ctx, keeper))
+        while not spawned:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        start.cancel()
+        try:
+            await start
+        except asyncio.CancelledError:
+            pass
+        else:
+            raise AssertionError("the start was not cancelled")
+
+    try:
+        asyncio.run(scenario())
+        spawned[0].wait(timeout=10)
+        assert spawned[0].returncode == -signal.SIGKILL
+    finally:
+        for proc in spawned:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        keeper.close()

@@ -197,3 +197,72 @@ def test_simple_one_for_one_instances_restart_independently() -> None:
         reason = await sup.shutdown()
         assert reason.kind is ExitKind.SHUTDOWN and sup.count_children()["active"] == 0
     run(scenario)
+
+
+class _GatedStarter:
+    """Starts in-process children; every start after the first waits for ``gate``."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.starts = 0
+        self.cancelled = 0
+
+    async def __call__(self, ctx: Any) -> Any:
+        self.starts += 1
+        if self.starts > 1:
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return await InProcessChild.start(ctx)
+
+
+def _gated(marked: bool) -> tuple[Supervisor, _GatedStarter, MemorySink]:
+    from erlay.supervisor.runtime import cancel_safe
+
+    starter = _GatedStarter()
+    sink = MemorySink()
+    sup = Supervisor("root", SupervisorFlags(intensity=3), (spec("a"),),
+                     starters={InProcessStart: cancel_safe(starter) if marked else starter},
+                     sink=sink)
+    return sup, starter, sink
+
+
+def test_shutdown_cancels_a_restart_in_progress_of_a_cancel_safe_starter() -> None:
+    """An engine restart takes tens of seconds (a hung one, its whole ready timeout): a
+    shutdown must not wait for it.  The start is cancelled, reported, and nothing retries."""
+    from erlay.supervisor.runtime import CANCELLED_START
+
+    async def scenario() -> None:
+        sup, starter, sink = _gated(marked=True)
+        await sup.boot()
+        with pytest.raises(RuntimeError, match="boom"):
+            await sup.child("a").call("boom")  # type: ignore[union-attr]
+        await until(lambda: starter.starts == 2)          # the restart waits at its gate
+        reason = await asyncio.wait_for(sup.shutdown(), 5)  # the gate never opens
+        assert reason.kind is ExitKind.SHUTDOWN
+        assert starter.cancelled == 1 and starter.starts == 2
+        errors = [e for e in sink.events if e.context is EventKind.START_ERROR]
+        assert [e.reason for e in errors] == [CANCELLED_START]
+        assert sup.child("a") is None
+
+    run(scenario)
+
+
+def test_shutdown_waits_for_a_start_whose_starter_is_not_cancel_safe() -> None:
+    """OTP's behaviour, kept for starters that could leave something running if cancelled."""
+    async def scenario() -> None:
+        sup, starter, _ = _gated(marked=False)
+        await sup.boot()
+        with pytest.raises(RuntimeError, match="boom"):
+            await sup.child("a").call("boom")  # type: ignore[union-attr]
+        await until(lambda: starter.starts == 2)
+        stopping = asyncio.create_task(sup.shutdown())
+        await asyncio.sleep(0.3)
+        assert not stopping.done() and starter.cancelled == 0
+        starter.gate.set()
+        assert (await asyncio.wait_for(stopping, 5)).kind is ExitKind.SHUTDOWN
+        assert starter.cancelled == 0
+
+    run(scenario)
