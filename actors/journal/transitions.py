@@ -9,6 +9,7 @@ its idempotency key, each judgement, completion, and the learner step that consu
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 from dataclasses import dataclass, field
@@ -58,15 +59,25 @@ class MemoryTransitions:
 
     def __init__(self) -> None:
         self.items: list[Transition] = []
+        self._counts: collections.Counter[TransitionKind] = collections.Counter()
         self._lock = threading.Lock()
 
     def record(self, transition: Transition) -> None:
         with self._lock:
             self.items.append(transition)
+            self._counts[transition.kind] += 1
 
     def of(self, kind: TransitionKind) -> list[Transition]:
+        """Every transition of ``kind``, in order: a walk over all of them."""
         with self._lock:
             return [t for t in self.items if t.kind is kind]
+
+    def count(self, kind: TransitionKind) -> int:
+        """How many transitions of ``kind`` were recorded, without walking them: for a
+        watcher that polls while the job runs (``of`` holds the lock that ``record``, on the
+        job's hot path, needs, for a walk over every transition)."""
+        with self._lock:
+            return self._counts[kind]
 
 
 class TeeTransitions:

@@ -43,7 +43,7 @@ from erlay.actors.journal.store import (
     segment_name,
     snapshot_name,
 )
-from erlay.actors.journal.transitions import Transition, TransitionKind
+from erlay.actors.journal.transitions import MemoryTransitions, Transition, TransitionKind
 from erlay.supervisor.clock import FakeClock
 from tests.conftest import wait_for
 from tests.paths import REPO
@@ -718,3 +718,14 @@ def test_read_only_inspection_reports_a_torn_tail_without_modifying_files(
         assert journal.state == fold(transitions[:-1])
         with pytest.raises(JournalClosed, match="read-only"):
             journal.record(dispatched("x"))
+
+
+def test_memory_transitions_count_each_kind_as_they_list_it() -> None:
+    """``count`` (polled by bench/replay.py's kill schedule while the job runs) agrees with
+    ``of``, kind by kind, without walking the transitions."""
+    memory = MemoryTransitions()
+    for t in whole_rollout("r-1") + whole_rollout("r-2")[:3]:
+        memory.record(t)
+    for kind in K:
+        assert memory.count(kind) == len(memory.of(kind)), kind
+    assert memory.count(K.CHUNK) > 0 and memory.count(K.DISPATCHED) == 2
