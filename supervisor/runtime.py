@@ -343,8 +343,9 @@ class Supervisor:
             raise ChildStartError(ctx.path, CANCELLED_START) from None
         except Exception as exc:
             if self._shutting_down:   # a starter that turned its cancellation into an error
-                raise ChildStartError(ctx.path, f"{CANCELLED_START} ({_describe(exc)})") \
-                    from None
+                why = _describe(exc)
+                raise ChildStartError(ctx.path, CANCELLED_START if "CancelledError" in why
+                                      else f"{CANCELLED_START} ({why})") from None
             raise
         finally:
             self._starting = None

@@ -266,3 +266,32 @@ def test_shutdown_waits_for_a_start_whose_starter_is_not_cancel_safe() -> None:
         assert starter.cancelled == 0
 
     run(scenario)
+
+
+def test_a_starter_that_turns_its_cancellation_into_an_error_reads_as_cancelled() -> None:
+    """The actor starter kills its actor on cancellation and raises ChildStartError naming
+    ``CancelledError``: the event says the start was cancelled, not a bare error type."""
+    from erlay.supervisor.runtime import CANCELLED_START, cancel_safe
+
+    class Converting(_GatedStarter):
+        async def __call__(self, ctx: Any) -> Any:
+            try:
+                return await super().__call__(ctx)
+            except asyncio.CancelledError:
+                raise ChildStartError(ctx.path, "CancelledError: ") from None
+
+    async def scenario() -> None:
+        starter = Converting()
+        sink = MemorySink()
+        sup = Supervisor("root", SupervisorFlags(intensity=3), (spec("a"),),
+                         starters={InProcessStart: cancel_safe(starter)}, sink=sink)
+        await sup.boot()
+        with pytest.raises(RuntimeError, match="boom"):
+            await sup.child("a").call("boom")  # type: ignore[union-attr]
+        await until(lambda: starter.starts == 2)
+        await asyncio.wait_for(sup.shutdown(), 5)
+        assert starter.cancelled == 1
+        assert [e.reason for e in sink.events
+                if e.context is EventKind.START_ERROR] == [CANCELLED_START]
+
+    run(scenario)
