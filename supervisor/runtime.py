@@ -162,7 +162,10 @@ class Supervisor:
         return self._exit is not None and self._exit.done()
 
     async def shutdown(self, reason: ExitReason = SHUTDOWN, *, brutal: bool = False) -> ExitReason:
-        """Stop every child in reverse start order, then terminate.  Idempotent."""
+        """Stop every child in reverse start order, then terminate.  Idempotent.
+
+        A restart in progress whose starter is :func:`cancel_safe` is cancelled first, not
+        waited for (the module's deviations from OTP)."""
         if self.exited:
             return self._exit.result()  # type: ignore[union-attr]
         self._brutal = self._brutal or brutal
