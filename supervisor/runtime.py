@@ -36,7 +36,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from erlay.supervisor import core
 from erlay.supervisor.clock import Clock, SystemClock
@@ -96,15 +96,16 @@ class StartContext:
 
 
 Starter = Callable[[StartContext], Awaitable[ChildProcess]]
+S = TypeVar("S")
 
 
-def cancel_safe(starter: Any) -> Any:
+def cancel_safe(starter: S) -> S:
     """Mark ``starter`` as leaving nothing running when its start is cancelled.
 
     A supervisor asked to shut down cancels a *restart* in progress only when its starter is
     marked (see :meth:`Supervisor.shutdown`); an unmarked starter's start is waited for, as
     in OTP.  Returns ``starter``."""
-    starter.erlay_cancel_safe = True
+    starter.erlay_cancel_safe = True  # type: ignore[attr-defined]
     return starter
 
 
@@ -345,10 +346,9 @@ class Supervisor:
                 raise
             raise ChildStartError(ctx.path, CANCELLED_START) from None
         except Exception as exc:
-            if self._shutting_down:   # a starter that turned its cancellation into an error
-                why = _describe(exc)
-                raise ChildStartError(ctx.path, CANCELLED_START if "CancelledError" in why
-                                      else f"{CANCELLED_START} ({why})") from None
+            if task.cancelling():   # we cancelled it; its starter raised an error instead
+                log.debug("%s: cancelled start ended with %s", ctx.path, _describe(exc))
+                raise ChildStartError(ctx.path, CANCELLED_START) from None
             raise
         finally:
             self._starting = None
