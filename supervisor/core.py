@@ -15,6 +15,11 @@ The plan contract, which the shell (:mod:`erlay.supervisor.runtime`) must honour
   stop is sequential, in the order given, which is reverse start order.
 - :class:`ScheduleTryAgain` puts ``TryAgainRestart`` at the *back* of the event queue, so
   other requests are served between restart attempts, as OTP's ``try_again_restart`` cast.
+- :class:`ScheduleRestart` puts ``RestartDue`` on the queue after ``delay_s`` (a child's
+  ``restart_delay_s``, an erlay addition): the restart is counted and reported at the exit,
+  the child is ``restarting`` meanwhile, and the supervisor serves other events.  A
+  ``RestartDue`` starts the child only if that same restart is still pending (``restart``
+  is the child's restart count when it was scheduled).
 - :class:`Terminate` ends the supervisor with the given reason after the stops before it.
 
 Events for an incarnation that is no longer current are ignored, so exits that race a plan
@@ -25,11 +30,39 @@ Deviations from OTP are listed in :mod:`erlay.supervisor.spec` and :mod:`erlay.s
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from erlay.supervisor.core_types import (
+    Action,
+    Boot,
+    ChildExited,
+    ChildRecord,
+    ChildStatus,
+    Context,
+    Decision,
+    DeleteChildCall,
+    Event,
+    Phase,
+    Reply,
+    Report,
+    RestartChildCall,
+    RestartDue,
+    ScheduleRestart,
+    ScheduleTryAgain,
+    ShutdownCall,
+    Start,
+    StartChildCall,
+    Started,
+    StartFailed,
+    Stop,
+    StopMany,
+    Stopped,
+    SupervisorState,
+    Terminate,
+    TerminateChildCall,
+    TryAgainRestart,
+)
 from erlay.supervisor.errors import InvalidSpec
 from erlay.supervisor.events import EventKind
 from erlay.supervisor.reason import ExitKind, ExitReason
@@ -41,64 +74,19 @@ from erlay.supervisor.spec import (
     ShutdownKind,
     Strategy,
     SupervisorFlags,
+    validate_child,
     validate_children,
-    validate_significant,
 )
 
-
-class ChildStatus(enum.Enum):
-    RUNNING = "running"        # an incarnation is alive
-    RESTARTING = "restarting"  # a restart attempt failed; another is scheduled
-    UNDEFINED = "undefined"    # no incarnation (OTP: pid undefined)
-
-
-class Context(enum.Enum):
-    """Why a start was asked for; it decides what a failure means."""
-
-    BOOT = "boot"
-    RESTART = "restart"
-    START_CHILD = "start_child"
-    RESTART_CHILD = "restart_child"
-
-
-class Phase(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    TERMINATED = "terminated"
-
-
-@dataclass(frozen=True)
-class ChildRecord:
-    spec: ChildSpec
-    status: ChildStatus = ChildStatus.UNDEFINED
-    incarnation: int = 0      # number of the latest start attempt; 0 = never started
-    args: tuple[Any, ...] = ()  # extra start args of a simple_one_for_one instance
-    restarts: int = 0         # restarts this supervisor made of this child
-    last_exit: ExitReason | None = None
-
-
-@dataclass(frozen=True)
-class SupervisorState:
-    path: str
-    flags: SupervisorFlags
-    order: tuple[str, ...]                 # child ids in start order
-    children: Mapping[str, ChildRecord]    # never mutated in place
-    template: ChildSpec | None = None      # simple_one_for_one only
-    restarts: tuple[float, ...] = ()       # restart times inside the period, newest first
-    phase: Phase = Phase.NEW
-    next_instance: int = 1
-    exit_reason: ExitReason | None = None
-
-    @property
-    def strategy(self) -> Strategy:
-        return self.flags.strategy  # type: ignore[return-value]
-
-    @property
-    def is_simple(self) -> bool:
-        return self.strategy is Strategy.SIMPLE_ONE_FOR_ONE
-
-    def child_path(self, child_id: str) -> str:
-        return f"{self.path}/{child_id}"
+__all__ = [  # the vocabulary is re-exported: callers use core.<Name> for both
+    "Action", "Boot", "ChildExited", "ChildInfo", "ChildRecord", "ChildStatus", "Context",
+    "Decision", "DeleteChildCall", "Event", "Phase", "Reply", "Report", "RestartChildCall",
+    "RestartDue", "ScheduleRestart", "ScheduleTryAgain", "ShutdownCall", "Start",
+    "StartChildCall", "StartFailed", "Started", "Stop", "StopMany", "Stopped",
+    "SupervisorState", "Terminate", "TerminateChildCall", "TryAgainRestart", "count_children",
+    "decide", "init_state", "restart_wanted", "shutdown_error", "which_children",
+    "within_intensity",
+]
 
 
 def init_state(path: str, flags: SupervisorFlags, specs: tuple[ChildSpec, ...]) -> SupervisorState:
@@ -109,140 +97,6 @@ def init_state(path: str, flags: SupervisorFlags, specs: tuple[ChildSpec, ...]) 
     return SupervisorState(path, flags, tuple(s.id for s in specs),
                            {s.id: ChildRecord(s) for s in specs})
 
-
-# ---------------------------------------------------------------------------- events (input)
-
-@dataclass(frozen=True)
-class Boot:
-    pass
-
-
-@dataclass(frozen=True)
-class ChildExited:
-    child_id: str
-    incarnation: int
-    reason: ExitReason
-
-
-@dataclass(frozen=True)
-class Started:
-    child_id: str
-    incarnation: int
-    context: Context
-    ref: Any = None
-
-
-@dataclass(frozen=True)
-class StartFailed:
-    child_id: str
-    incarnation: int
-    reason: str
-    context: Context
-    ref: Any = None
-
-
-@dataclass(frozen=True)
-class Stopped:
-    child_id: str
-    incarnation: int
-    reason: ExitReason
-    remove: bool = False
-
-
-@dataclass(frozen=True)
-class TryAgainRestart:
-    child_id: str
-
-
-@dataclass(frozen=True)
-class StartChildCall:
-    ref: Any
-    spec: ChildSpec | None = None          # static strategies
-    args: tuple[Any, ...] = ()             # simple_one_for_one
-
-
-@dataclass(frozen=True)
-class TerminateChildCall:
-    ref: Any
-    child_id: str
-
-
-@dataclass(frozen=True)
-class RestartChildCall:
-    ref: Any
-    child_id: str
-
-
-@dataclass(frozen=True)
-class DeleteChildCall:
-    ref: Any
-    child_id: str
-
-
-@dataclass(frozen=True)
-class ShutdownCall:
-    ref: Any
-    reason: ExitReason = field(default_factory=lambda: ExitReason(ExitKind.SHUTDOWN))
-
-
-Event = (Boot | ChildExited | Started | StartFailed | Stopped | TryAgainRestart | StartChildCall
-         | TerminateChildCall | RestartChildCall | DeleteChildCall | ShutdownCall)
-
-
-# --------------------------------------------------------------------------- actions (output)
-
-@dataclass(frozen=True)
-class Start:
-    child_id: str
-    incarnation: int
-    context: Context
-    ref: Any = None
-
-
-@dataclass(frozen=True)
-class Stop:
-    child_id: str
-    incarnation: int
-    remove: bool = False   # forget the child once stopped (temporary children)
-
-
-@dataclass(frozen=True)
-class StopMany:
-    children: tuple[tuple[str, int], ...]
-
-
-@dataclass(frozen=True)
-class Report:
-    kind: EventKind
-    child_id: str | None
-    reason: str
-    attempt: int = 0
-
-
-@dataclass(frozen=True)
-class Reply:
-    ref: Any
-    ok: bool
-    value: Any = None      # child id on success, OTP error atom on failure
-
-
-@dataclass(frozen=True)
-class ScheduleTryAgain:
-    child_id: str
-
-
-@dataclass(frozen=True)
-class Terminate:
-    reason: ExitReason
-
-
-Action = Start | Stop | StopMany | Report | Reply | ScheduleTryAgain | Terminate
-
-
-@dataclass(frozen=True)
-class Decision:
-    state: SupervisorState
-    actions: tuple[Action, ...] = ()
 
 
 # ------------------------------------------------------------------------------ the decision
@@ -266,6 +120,13 @@ def decide(state: SupervisorState, event: Event, now: float) -> Decision:
                     or rec.status is not ChildStatus.RESTARTING:
                 return Decision(state)
             return _restart(state, event.child_id, now)
+        case RestartDue():
+            rec = state.children.get(event.child_id)
+            if state.phase is not Phase.RUNNING or rec is None \
+                    or rec.status is not ChildStatus.RESTARTING or rec.restarts != event.restart:
+                return Decision(state)   # terminated, deleted or restarted meanwhile
+            start, state = _next_start(state, event.child_id, Context.RESTART)
+            return Decision(state, (start,))
         case StartChildCall():
             return _start_child_call(state, event)
         case TerminateChildCall():
@@ -484,6 +345,10 @@ def _restart(state: SupervisorState, child_id: str, now: float) -> Decision:
     report = Report(EventKind.RESTART, child_id, str(rec.last_exit), attempt=rec.restarts + 1)
     match state.strategy:
         case Strategy.ONE_FOR_ONE | Strategy.SIMPLE_ONE_FOR_ONE:
+            if rec.spec.restart_delay_s > 0:
+                state = _set(state, child_id, status=ChildStatus.RESTARTING)
+                return Decision(state, (report, ScheduleRestart(
+                    child_id, rec.spec.restart_delay_s, rec.restarts + 1)))
             start, state = _next_start(state, child_id, Context.RESTART)
             return Decision(state, (report, start))
         case Strategy.ONE_FOR_ALL:
@@ -537,7 +402,7 @@ def _start_child_call(state: SupervisorState, ev: StartChildCall) -> Decision:
     if ev.spec is None:
         return Decision(state, _refuse(ev.ref, "not_simple_one_for_one"))
     try:
-        validate_significant(state.flags, ev.spec)
+        validate_child(state.flags, ev.spec)
     except InvalidSpec as exc:
         return Decision(state, _refuse(ev.ref, f"invalid_child_spec: {exc}"))
     existing = state.children.get(ev.spec.id)

@@ -139,6 +139,7 @@ class Supervisor:
         self._exit: asyncio.Future[ExitReason] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._starting: asyncio.Task[ChildProcess] | None = None   # a cancellable start
+        self._timers: set[asyncio.TimerHandle] = set()   # delayed restarts (ScheduleRestart)
         self._shutting_down = False
 
     # ------------------------------------------------------------------------ lifecycle
@@ -311,6 +312,8 @@ class Supervisor:
                         fut.set_result(action)
                 case core.ScheduleTryAgain(cid):
                     self._queue.put_nowait(core.TryAgainRestart(cid))
+                case core.ScheduleRestart(cid, delay_s, restart):
+                    self._schedule(delay_s, core.RestartDue(cid, restart))
                 case core.Terminate():
                     pass  # the main loop sees the TERMINATED phase and finishes
 
@@ -449,7 +452,19 @@ class Supervisor:
         self.state = dataclasses.replace(self.state, phase=core.Phase.TERMINATED,
                                          exit_reason=reason)
 
+    def _schedule(self, delay_s: float, event: core.Event) -> None:
+        """Queue ``event`` after ``delay_s``; the main task stays free meanwhile."""
+        def due() -> None:
+            self._timers.discard(handle)
+            self._queue.put_nowait(event)
+
+        handle = asyncio.get_running_loop().call_later(delay_s, due)
+        self._timers.add(handle)
+
     def _finish(self, reason: ExitReason) -> None:
+        for handle in self._timers:
+            handle.cancel()
+        self._timers.clear()
         try:
             current = asyncio.current_task()
         except RuntimeError:  # the loop is gone (process teardown)

@@ -15,6 +15,11 @@ Deviations from OTP, all deliberate:
 - ``liveness`` is an erlay addition too: a heartbeat the supervisor sends every child, which
   finds a child that stops answering (SIGSTOP, a blocked event loop, a frozen host) whatever
   work it holds.
+- ``restart_delay_s`` is an erlay addition (Akka's backoff supervisor has its like): a child's
+  restart after an exit starts that many seconds late, so that the work the child's failure
+  moved elsewhere (an engine's rollouts, failing over) does not compete with its replacement's
+  start-up.  The restart is counted toward the intensity at the exit, as in OTP.  Only under
+  one_for_one and simple_one_for_one, which restart the child alone.
 """
 
 from __future__ import annotations
@@ -244,6 +249,9 @@ class ChildSpec:
     in that phase may go without progress before it is declared hung and restarted.
     ``progress_poll_s`` defaults to a quarter of the tightest deadline (0.05 s to 10 s).
     ``liveness`` is the heartbeat (:class:`Liveness`, 5 s x 3 by default); None turns it off.
+    ``restart_delay_s`` (an erlay addition, 0 by default) defers each restart of the child
+    after an exit by that many seconds, during which the supervisor serves other events
+    (one_for_one and simple_one_for_one only; see :mod:`erlay.supervisor.core`).
     """
 
     id: str
@@ -255,6 +263,7 @@ class ChildSpec:
     deadlines: Mapping[str, float] = field(default_factory=dict)
     progress_poll_s: float | None = None
     liveness: Liveness | None = DEFAULT_LIVENESS
+    restart_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or "/" in self.id:
@@ -290,6 +299,10 @@ class ChildSpec:
             raise InvalidSpec(f"{self.id}.progress_poll_s", self.progress_poll_s, "seconds > 0")
         if self.liveness is not None and not isinstance(self.liveness, Liveness):
             raise InvalidSpec(f"{self.id}.liveness", self.liveness, "a Liveness or None")
+        delay = self.restart_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) \
+                or not math.isfinite(delay) or delay < 0:
+            raise InvalidSpec(f"{self.id}.restart_delay_s", delay, "seconds >= 0")
 
     @property
     def poll_interval_s(self) -> float | None:
@@ -346,7 +359,8 @@ def validate_children(flags: SupervisorFlags, children: Sequence[ChildSpec]) -> 
     """Check a start spec against its flags, as OTP's ``check_startspec`` does.
 
     Raises InvalidSpec for duplicate ids, a significant child under ``auto_shutdown=never``,
-    or a simple_one_for_one supervisor without exactly one template spec.
+    a ``restart_delay_s`` under a strategy that restarts several children together, or a
+    simple_one_for_one supervisor without exactly one template spec.
     """
     seen: set[str] = set()
     for spec in children:
@@ -355,10 +369,21 @@ def validate_children(flags: SupervisorFlags, children: Sequence[ChildSpec]) -> 
         if spec.id in seen:
             raise InvalidSpec("children", spec.id, "unique child ids (duplicate_child_name)")
         seen.add(spec.id)
-        validate_significant(flags, spec)
+        validate_child(flags, spec)
     if flags.strategy is Strategy.SIMPLE_ONE_FOR_ONE and len(children) != 1:
         raise InvalidSpec("children", [c.id for c in children],
                           "exactly one template child spec for simple_one_for_one")
+
+
+def validate_child(flags: SupervisorFlags, spec: ChildSpec) -> None:
+    """The checks of one child spec against its supervisor's flags (validate_children's,
+    and the dynamic ``start_child``'s)."""
+    validate_significant(flags, spec)
+    if spec.restart_delay_s and flags.strategy in (Strategy.ONE_FOR_ALL, Strategy.REST_FOR_ONE):
+        # Those strategies stop and start a group in one plan; a delay would hold the group.
+        raise InvalidSpec(f"{spec.id}.restart_delay_s", spec.restart_delay_s,
+                          "0 under one_for_all and rest_for_one (a delayed restart is "
+                          "one_for_one's and simple_one_for_one's)")
 
 
 def validate_significant(flags: SupervisorFlags, spec: ChildSpec) -> None:

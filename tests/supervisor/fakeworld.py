@@ -2,8 +2,9 @@
 
 It follows the plan contract in :mod:`erlay.supervisor.core` exactly as the real shell does:
 results of starts and stops are fed back at once, a failed start replaces the rest of the
-plan, and try-again restarts go to the back of the queue.  Children are just ``id ->
-incarnation`` entries in ``alive``.
+plan, and try-again restarts go to the back of the queue.  Delayed restarts wait in
+``timers`` until :meth:`FakeWorld.advance` moves the clock past them.  Children are just
+``id -> incarnation`` entries in ``alive``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class FakeWorld:
         self.terminated: ExitReason | None = None
         self._queue: deque[core.Event] = deque()
         self._refs = count(1)
+        self.timers: list[tuple[float, core.Event]] = []   # (due, event): ScheduleRestart
 
     # -- driving ---------------------------------------------------------------------------
     def feed(self, event: core.Event) -> None:
@@ -58,6 +60,14 @@ class FakeWorld:
     def boot(self) -> FakeWorld:
         self.feed(core.Boot())
         return self
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock; feed every timer now due, earliest first."""
+        self.clock.advance(seconds)
+        while due := sorted((t for t in self.timers if t[0] <= self.clock.monotonic()),
+                            key=lambda t: t[0]):
+            self.timers.remove(due[0])
+            self.feed(due[0][1])
 
     def crash(self, cid: str, reason: ExitReason | None = None) -> None:
         inc = self.alive.pop(cid)
@@ -124,5 +134,8 @@ class FakeWorld:
                     self.replies[action.ref] = action
                 case core.ScheduleTryAgain(cid):
                     self._queue.append(core.TryAgainRestart(cid))
+                case core.ScheduleRestart(cid, delay_s, restart):
+                    self.timers.append((self.clock.monotonic() + delay_s,
+                                        core.RestartDue(cid, restart)))
                 case core.Terminate(reason):
                     self.terminated = reason

@@ -295,3 +295,35 @@ def test_a_starter_that_turns_its_cancellation_into_an_error_reads_as_cancelled(
                 if e.context is EventKind.START_ERROR] == [CANCELLED_START]
 
     run(scenario)
+
+
+def test_a_delayed_restart_leaves_the_supervisor_serving_and_a_shutdown_drops_it() -> None:
+    """``restart_delay_s``: the restart waits on a timer, not in the supervisor's main task, so
+    calls are answered meanwhile; a shutdown cancels the timer, so nothing starts after it."""
+    def status(sup: Supervisor, cid: str) -> str:
+        return next(r["status"] for r in sup.which_children() if r["id"] == cid)
+
+    async def scenario() -> None:
+        sup = make(SupervisorFlags(intensity=5), spec("a", restart_delay_s=1.0), spec("b"))
+        await sup.boot()
+        loop = asyncio.get_running_loop()
+        first = sup.child("a")
+        with pytest.raises(RuntimeError, match="boom"):
+            await first.call("boom")  # type: ignore[union-attr]
+        crashed = loop.time()
+        await until(lambda: status(sup, "a") == "restarting")
+        with pytest.raises(SupervisorCallError, match="restarting"):
+            await sup.restart_child("a")   # answered by the main task, within the delay
+        assert loop.time() - crashed < 0.5
+        assert await sup.child("b").call("ping") == 1  # type: ignore[union-attr]
+        await until(lambda: sup.child("a") not in (None, first))
+        assert loop.time() - crashed >= 1.0
+        starts = STARTED.count("a")
+        with pytest.raises(RuntimeError, match="boom"):
+            await sup.child("a").call("boom")  # type: ignore[union-attr]
+        await until(lambda: status(sup, "a") == "restarting")
+        await asyncio.wait_for(sup.shutdown(), 0.5)
+        await asyncio.sleep(1.2)
+        assert STARTED.count("a") == starts
+
+    run(scenario)
