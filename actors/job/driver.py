@@ -282,9 +282,13 @@ class Job:
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
+        # With other engines serving, a failed engine's replacement starts late: its start-up
+        # (imports, model load, warm-up) would slow the failover of its rollouts to them.
+        restart_delay_s = cfg.engine.restart_delay_s if cfg.engine.num_engines > 1 else 0.0
         engines = [ChildSpec(f"engine-{i}", self._engine_start(model, opts),
                              deadlines={"decode_step": cfg.engine.decode_deadline_s},
-                             shutdown=15.0 if cfg.engine.backend == "vllm" else None)
+                             shutdown=15.0 if cfg.engine.backend == "vllm" else None,
+                             restart_delay_s=restart_delay_s)
                    for i in range(cfg.engine.num_engines)]
         nodes = sorted(n["NodeID"] for n in alive_nodes())
         pool = SupervisorFlags("simple_one_for_one", intensity=sup.sandbox.intensity,
