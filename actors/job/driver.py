@@ -112,6 +112,14 @@ def learner_backend_kwargs(cfg: JobConfig) -> dict[str, Any]:
     return kwargs
 
 
+def engine_restart_delay(cfg: JobConfig) -> float:
+    """The engines' ``restart_delay_s``: ``engine.restart_delay_s`` while other engines serve.
+    Their failed peer's replacement starts late because its start-up (imports, model load,
+    warm-up) would slow the failover of its rollouts to them; a lone engine has no one to
+    fail over to, so it restarts at once."""
+    return cfg.engine.restart_delay_s if cfg.engine.num_engines > 1 else 0.0
+
+
 def step_line(record: dict[str, Any], total: int) -> str:
     """The progress line of one RL step record: step (1-based, of ``total``), mean reward
     (``-`` when no sample was judged), generated tokens per second (the step's own rate,
@@ -282,9 +290,7 @@ class Job:
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
-        # With other engines serving, a failed engine's replacement starts late: its start-up
-        # (imports, model load, warm-up) would slow the failover of its rollouts to them.
-        restart_delay_s = cfg.engine.restart_delay_s if cfg.engine.num_engines > 1 else 0.0
+        restart_delay_s = engine_restart_delay(cfg)
         engines = [ChildSpec(f"engine-{i}", self._engine_start(model, opts),
                              deadlines={"decode_step": cfg.engine.decode_deadline_s},
                              shutdown=15.0 if cfg.engine.backend == "vllm" else None,

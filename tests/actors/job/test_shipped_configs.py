@@ -51,3 +51,16 @@ def test_the_gpu_config_without_its_model_is_one_line_and_exit_2(
     assert code == 2 and "\n" not in err, err
     assert "local Hugging Face cache" in err or "openai/gsm8k" in err, err
     assert not run_dir.exists() and not ray.is_initialized()
+
+
+def test_engines_restart_late_only_when_another_engine_serves() -> None:
+    from erlay.actors.job.driver import engine_restart_delay
+
+    two = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=2"])
+    assert engine_restart_delay(two) == two.engine.restart_delay_s == 2.0
+    one = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=1"])
+    assert engine_restart_delay(one) == 0.0
+    off = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=2", "engine.restart_delay_s=0"])
+    assert engine_restart_delay(off) == 0.0
+    with pytest.raises(ConfigError, match="restart_delay_s"):
+        load_config(CONFIGS / "cpu.yaml", ["engine.restart_delay_s=-1"])
