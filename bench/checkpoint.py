@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
 
 from erlay.actors.learner.checkpoint import latest, load
 from erlay.actors.learner.core import TrainBatch
@@ -194,13 +195,6 @@ def bench_size(name: str, model_config: dict[str, int], repeats: int, rows: int,
     return {"params": float(learner.model.num_parameters()), "state_mb": size / 2**20, **med}
 
 
-def spread(values: list[float], digits: int = 4) -> dict[str, Any]:
-    """Median, min and max over runs: the form every timed figure is reported in."""
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "runs": len(values)}
-
-
 # (figure, what it measures: from what event to what event).
 WHAT: list[tuple[str, str]] = [
     ("host_copy_s", "LearnerCore.state() call -> return (a full host copy)"),
@@ -251,9 +245,9 @@ def main() -> None:
         summary[f"params_{name}"] = runs[0][name]["params"]
         summary[f"state_mb_{name}"] = round(runs[0][name]["state_mb"], 1)
         for key, _ in WHAT:
-            summary[f"{key}_{name}"] = spread([run[name][key] for run in runs])
+            summary[f"{key}_{name}"] = spread([run[name][key] for run in runs], digits=4)
     for key in WORST_OF_SIZES:
-        summary[key] = spread([max(run[name][key] for name in names) for run in runs])
+        summary[key] = spread([max(run[name][key] for name in names) for run in runs], digits=4)
     summary.update({"repeats": args.repeats, "runs": args.runs,
                     "load_avg_1m": [round(load0, 2), round(load1, 2)],
                     "wall_s": round(time.perf_counter() - began, 1)})

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
 
 from erlay.actors.engine import torch_engine as engine_torch
 from erlay.actors.engine.api import GenerationRequest
@@ -180,12 +181,6 @@ async def macro(rounds: int, n: int, new_tokens: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- main
-def spread(values: list[float], digits: int = 2) -> dict[str, Any]:
-    """Median, min and max over runs: the form every figure is reported in."""
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "runs": len(values)}
-
 
 def one_run(args: argparse.Namespace) -> tuple[dict[str, float], list[float]]:
     """One run's figures (the JSON keys) and its per-round decode time ratios."""

@@ -65,6 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
+
 from erlay.supervisor.node.jitcache import CacheSpec, JitCache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,13 +207,6 @@ def figures(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def spread(values: list[float], digits: int = 4) -> dict[str, Any]:
-    """Median, min and max over runs: the form every figure is reported in."""
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "runs": len(values)}
-
-
 FWD = "torch.compile(model) -> first compiled forward's output, no_grad, compiler imports out"
 # (figure, what it measures: from what event to what event).
 WHAT: list[tuple[str, str]] = [
@@ -288,7 +283,8 @@ def main() -> None:
             for label, kind in columns))
 
     per_run = [figures(runs) for runs in all_runs]
-    summary: dict[str, Any] = {key: spread([f[key] for f in per_run]) for key in per_run[0]}
+    summary: dict[str, Any] = {key: spread([f[key] for f in per_run], digits=4)
+                               for key in per_run[0]}
     summary.update({"runs": args.runs, "load_avg_1m": [round(load0, 2), round(load1, 2)],
                     "wall_s": round(time.perf_counter() - began, 1)})
     print(f"\n{'figure':36} {'median (min-max)':>26}  what it measures")

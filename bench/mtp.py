@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
 
 from erlay.actors.engine import core
 from erlay.actors.engine.api import GenerationRequest
@@ -171,13 +172,6 @@ def decode(model: Policy, reqs: list[GenerationRequest], k: int,
     report["acceptance_by_position"] = [round(a / d, 4) if d else None for a, d in
                                         zip(batch.accepted_at, batch.drafted_at, strict=True)]
     return wall, seqs, report
-
-
-def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
-    """Median, min and max over runs: the form every timed figure is reported in."""
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "runs": len(values)}
 
 
 def one_run(args: argparse.Namespace, model: Policy, reqs: list[GenerationRequest],
@@ -303,7 +297,7 @@ def main() -> None:
     greedy_out = {k: [s.completion for s in decode(model, greedy, k, 0, args.batch)[1]]
                   for k in ks}
     load1 = os.getloadavg()[0]
-    speedup = {k: spread(speedups[k]) for k in ks}
+    speedup = {k: spread(speedups[k], digits=3) for k in ks}
     best = max(ks[1:], key=lambda k: speedup[k]["median"])
     print(f"model: {args.model}; trained: {trained}; batch {args.batch} requests "
           f"(max_batch {args.batch}), lengths "
@@ -323,7 +317,7 @@ def main() -> None:
           f"{'tail_step_ms':>12} {'acceptance':>10} {'spec_steps':>10} {'steps':>6}  "
           f"acceptance by draft position")
     for k in ks:
-        r, w, s = reports[k], spread(walls[k]), speedup[k]
+        r, w, s = reports[k], spread(walls[k], digits=3), speedup[k]
         print(f"{k:>2} {w['median']:>7.3f} ({w['min']:.3f}-{w['max']:.3f}) "
               f"{statistics.median(rates[k]):>9.0f} "
               f"{s['median']:>7.3f} ({s['min']:.3f}-{s['max']:.3f}) "
@@ -336,20 +330,20 @@ def main() -> None:
         "speedup_at_best_k": speedup[best],
         "acceptance_at_best_k": reports[best]["acceptance"],
         "acceptance_by_position_at_best_k": reports[best]["acceptance_by_position"],
-        "verify_step_ms_at_best_k": spread(step_ms[best]),
-        "plain_step_ms": spread(step_ms[0]),
+        "verify_step_ms_at_best_k": spread(step_ms[best], digits=3),
+        "plain_step_ms": spread(step_ms[0], digits=3),
         "verify_over_plain_step": round(statistics.median(step_ms[best])
                                         / statistics.median(step_ms[0]), 3),
-        "cpu_speedup_at_best_k": spread(cpu_speedups[best]),
+        "cpu_speedup_at_best_k": spread(cpu_speedups[best], digits=3),
         "greedy_identical": all(greedy_out[k] == greedy_out[0] for k in ks),
         "sampled_identical": sampled_identical,
         "speedup": speedup,
-        "wall_s": {k: spread(walls[k]) for k in ks},
-        "tokens_per_s": {k: spread(rates[k], 1) for k in ks},
+        "wall_s": {k: spread(walls[k], digits=3) for k in ks},
+        "tokens_per_s": {k: spread(rates[k], digits=1) for k in ks},
         "acceptance": {k: reports[k]["acceptance"] for k in ks},
         "acceptance_by_position": {k: reports[k]["acceptance_by_position"] for k in ks},
-        "tail_step_ms": {k: spread(step_ms[k]) for k in ks},
-        "cpu_speedup": {k: spread(cpu_speedups[k]) for k in ks},
+        "tail_step_ms": {k: spread(step_ms[k], digits=3) for k in ks},
+        "cpu_speedup": {k: spread(cpu_speedups[k], digits=3) for k in ks},
         "length_p50": reports[0]["length_p50"], "length_max": reports[0]["length_max"],
         "model": args.model, "spec_max_concurrency": args.spec_max_concurrency, **trained,
         "repeats": args.repeats, "runs": args.runs,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,15 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+try:
+    from runstats import spread  # bench/ (a script's own folder is on sys.path)
+except ImportError:              # imported as bench.startup (tests)
+    from bench.runstats import spread
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "cpu.yaml"
 TARGET = 1.25  # boot_speedup: the learner's and the engine's loads overlap on 2 cores
-
-
-def spread(values: list[float], digits: int = 2) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "runs": len(values)}
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -110,11 +108,11 @@ def main() -> int:
                               "pairs": args.pairs, "planted_in_turn": args.plant_in_turn}
     print(f"{'stage':<14}{'boot_ahead (shipped)':>26}{'in turn':>26}")
     for stage in ("ray_s", "boot_s", "first_step_s"):
-        on = spread([r[stage] for r in runs[True]])
-        off = spread([r[stage] for r in runs[False]])
+        on = spread([r[stage] for r in runs[True]], digits=2)
+        off = spread([r[stage] for r in runs[False]], digits=2)
         result[stage] = {"boot_ahead": on, "in_turn": off}
         print(f"{stage:<14}{_fmt(on):>26}{_fmt(off):>26}")
-    result["boot_speedup"] = spread(ratios, 3)
+    result["boot_speedup"] = spread(ratios, digits=3)
     result["target"] = TARGET
     result["verdict"] = "pass" if result["boot_speedup"]["median"] >= TARGET else "fail"
     print(f"boot_speedup (in turn / ahead, per pair): {_fmt(result['boot_speedup'])}")

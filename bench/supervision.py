@@ -53,7 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,7 @@ from erlay.supervisor.spec import (
 from erlay.supervisor.tree import SupervisionTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
 from supervision_calls import bench_call_overhead, call_figures, print_call_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,12 +164,6 @@ def shipped_domains(workers: int | None = None) -> list[Domain]:
             Domain("judge", "erlay.judges.worker:JudgeWorker",
                    (cfg.judge.cls, dict(cfg.judge.kwargs), cfg.judge.timeout_s),
                    tuple(() for _ in range(nj)))]
-
-
-def spread(values: Sequence[float], digits: int = 2) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "runs": len(values)}
 
 
 def sup(cid: str, *children: ChildSpec, flags: SupervisorFlags = LOOSE) -> ChildSpec:
@@ -540,22 +535,22 @@ def main() -> None:
         return [r[key] for r in rows]
 
     result: dict[str, Any] = {
-        "start_ratio_shipped": spread(shipped["ratio"]),
-        "start_shipped_actor_ms": spread(shipped["actor_ms"], 1),
-        "start_shipped_hosted_ms": spread(shipped["hosted_ms"], 1),
-        "start_ratio_by_n": {str(n): spread(v["ratio"]) for n, v in by_n.items()},
+        "start_ratio_shipped": spread(shipped["ratio"], digits=2),
+        "start_shipped_actor_ms": spread(shipped["actor_ms"], digits=1),
+        "start_shipped_hosted_ms": spread(shipped["hosted_ms"], digits=1),
+        "start_ratio_by_n": {str(n): spread(v["ratio"], digits=2) for n, v in by_n.items()},
         "start_ms_by_n": {str(n): {"actor": round(statistics.median(v["actor_ms"]), 1),
                                    "hosted": round(statistics.median(v["hosted_ms"]), 1)}
                           for n, v in by_n.items()},
         "actor_cap": cap,
-        "hosted_restart_ms": spread(sub_ms, 1),
-        "hosted_inprocess_restart_ms": spread(obj_ms, 2),
-        "actor_restart_ms": spread(actor_ms, 1),
-        "ray_native_restart_ms": spread(native_ms, 1),
-        "death_detect_ms": spread(detect_ms, 1),
+        "hosted_restart_ms": spread(sub_ms, digits=1),
+        "hosted_inprocess_restart_ms": spread(obj_ms, digits=2),
+        "actor_restart_ms": spread(actor_ms, digits=1),
+        "ray_native_restart_ms": spread(native_ms, digits=1),
+        "death_detect_ms": spread(detect_ms, digits=1),
         **call_figures(calls),
-        "idle_cpu_percent": spread(col(idle_tree, "job")),
-        "idle_cpu_ray_alone_percent": spread(col(idle_ray, "job")),
+        "idle_cpu_percent": spread(col(idle_tree, "job"), digits=2),
+        "idle_cpu_ray_alone_percent": spread(col(idle_ray, "job"), digits=2),
         "idle_cpu_by_part": {k: round(statistics.median(col(idle_tree, k)), 2)
                              for k in ("driver", "ray", "tree_actors")},
         # Thread times tick in 10 ms: one figure over every window, not a median.

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
+
 from erlay.supervisor.events import MemorySink
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
 from erlay.supervisor.tree import SupervisionTree
@@ -20,12 +22,6 @@ from erlay.supervisor.tree import SupervisionTree
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIG = REPO / "configs" / "cpu.yaml"
 LOOSE = SupervisorFlags("one_for_one", intensity=1000, period=1)
-
-
-def spread(values: list[float], digits: int = 2) -> dict[str, Any]:
-    return {"median": round(statistics.median(values), digits),
-            "min": round(min(values), digits), "max": round(max(values), digits),
-            "runs": len(values)}
 
 
 def fmt(s: dict[str, Any]) -> str:
@@ -157,8 +153,8 @@ def bench_call_overhead(pairs: int, blocks: int, block: int) -> dict[str, dict[s
 
 def call_figures(calls: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The call figures: the sync (learner-shaped) ratio keeps the figure's old name."""
-    return {"call_overhead_ratio": spread(calls["sync"]["ratios"], 3),
-            "call_overhead_ratio_async": spread(calls["async"]["ratios"], 3),
+    return {"call_overhead_ratio": spread(calls["sync"]["ratios"], digits=3),
+            "call_overhead_ratio_async": spread(calls["async"]["ratios"], digits=3),
             "call_us": {shape: c["call_us"] for shape, c in calls.items()},
             "call_stages_us": {shape: c["stages"] for shape, c in calls.items()}}
 
