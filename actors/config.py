@@ -176,8 +176,9 @@ class EngineSection(Section):
                                     "call into an engine")
     restart_delay_s: float = Field(2.0, ge=0, allow_inf_nan=False, description="seconds "
                                    "from an engine's failure to the start of its replacement, "
-                                   "when other engines serve: its rollouts fail over first, "
-                                   "without the replacement's start-up taking the node's CPUs "
+                                   "in a job of more than one engine: its rollouts fail over "
+                                   "first, without the replacement's start-up taking the "
+                                   "node's CPUs "
                                    "(0 = at once; one engine restarts at once)")
     spec_k: int = Field(0, ge=0, description="torch engine: tokens drafted per step by the MTP "
                         "heads and verified in one pass (0 = no speculation)")

@@ -113,10 +113,10 @@ def learner_backend_kwargs(cfg: JobConfig) -> dict[str, Any]:
 
 
 def engine_restart_delay(cfg: JobConfig) -> float:
-    """The engines' ``restart_delay_s``: ``engine.restart_delay_s`` while other engines serve.
-    Their failed peer's replacement starts late because its start-up (imports, model load,
-    warm-up) would slow the failover of its rollouts to them; a lone engine has no one to
-    fail over to, so it restarts at once."""
+    """The engines' ``restart_delay_s``: ``engine.restart_delay_s`` in a job of more than one
+    engine.  A failed engine's replacement starts late because its start-up (imports, model
+    load, warm-up) would slow the failover of its rollouts to the others; a lone engine has
+    no one to fail over to, so it restarts at once."""
     return cfg.engine.restart_delay_s if cfg.engine.num_engines > 1 else 0.0
 
 
