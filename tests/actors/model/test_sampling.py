@@ -133,6 +133,26 @@ def test_sample_rows_is_sample_token_f64_row_by_row(all_plain: bool) -> None:
             assert float(logprobs[i]) == pytest.approx(logprob, rel=1e-15, abs=1e-15)
 
 
+@pytest.mark.parametrize("n,v", [(64, 262), (6, 4099)])
+def test_sample_rows_matches_the_row_rule_at_engine_widths(n: int, v: int) -> None:
+    """The batched CDF (torch's cumsum, torch's searchsorted) against the per-row numpy rule
+    at a wide batch of the default vocabulary and at a long vocabulary: the same tokens, and
+    the CDF the same to the bit, which a pairwise or float32 sum would not be."""
+    rng = np.random.default_rng(1)
+    logits, temps = _rows_case(rng, n, v)
+    logits[1] = -np.inf
+    logits[1, 7] = 0.0   # one token with all the mass: duplicates fill the CDF after it
+    seeds, positions = [int(x) for x in rng.integers(0, 2**62, n)], list(range(n))
+    tokens, _ = sample_rows(logits, temps, seeds, positions)
+    assert tokens[1] == 7
+    expected = [sample_token_f64(logits[i], float(temps[i]), seeds[i], positions[i])[0]
+                for i in range(n)]
+    assert tokens.tolist() == expected
+    weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+    assert np.array_equal(torch.from_numpy(weights).cumsum(dim=1).numpy(),
+                          np.stack([np.cumsum(row) for row in weights]))
+
+
 def test_sample_rows_clips_a_threshold_rounded_up_to_the_total() -> None:
     """A threshold ``total * u`` equal to ``total`` (u = 1 here; the guard against rounding):
     the draw stops at the last token with mass, never in the zero-probability tail (the
