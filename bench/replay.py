@@ -51,7 +51,7 @@ already: a killed incarnation looks running until its supervisor has handled the
 every resume has somewhere to go at once; a resume that had to wait for a restart would
 measure the restart.  An engine restart takes longer than a step here (about 10 s for the
 torch engine, 50 s for vLLM), so kills need many steps: ``--steps 40 --kills 4`` (torch),
-``--steps 100 --kills 3 --every 3`` (vLLM).  A run in which fewer kills landed than
+``--steps 150 --kills 3 --every 3`` (vLLM).  A run in which fewer kills landed than
 ``--kills`` says so on stderr and exits 1 (its JSON line is still printed, with
 ``kills_requested`` beside ``kills``); so does a faulted run that did not finish.
 
