@@ -470,6 +470,9 @@ def main() -> None:
     shortfall = kill_shortfall(args.kills, out["kills"])
     if shortfall:
         print(f"replay: {shortfall}", file=sys.stderr)
+    if out["status"] != "finished":
+        print(f"replay: the faulted run ended {out['status']}: {faulted.reason}",
+              file=sys.stderr)
     print(json.dumps(out))
     if shortfall or out["status"] != "finished":
         sys.exit(1)

@@ -190,7 +190,7 @@ def test_failure_seen_splits_into_detection_and_notice_where_the_engine_said_whe
 
 def test_a_run_with_fewer_kills_than_requested_says_so() -> None:
     """The faulted run's figures are only as good as the kills that landed: a shortfall is
-    named (and makes the bench exit 1), a full or over-full count is not."""
+    named (``main`` prints it and exits 1 on it), a full or over-full count is not."""
     assert kill_shortfall(3, 3) is None
     assert kill_shortfall(2, 3) is None
     message = kill_shortfall(2, 1)
