@@ -188,6 +188,10 @@ class EngineSection(Section):
     spec_verify: Literal["coupled", "rejection"] = Field(
         "coupled", description="draft verification: coupled (token-identical to plain "
         "decoding, keeps replay exact) or rejection (speculative sampling)")
+    spec_draft: Literal["argmax", "sample"] = Field(
+        "argmax", description="how the MTP heads propose drafts: argmax (each head's most "
+        "likely token) or sample (a draw from the head); either way the output is what "
+        "spec_verify makes it, only the acceptance rate differs")
     vllm: VllmSection = VllmSection()
 
 

@@ -13,7 +13,9 @@ The benchmark batch mixes many short completions with a few long ones (``--batch
 asynchronous RL.  For k in 0..max_k it decodes the same batch with the built-in engine's core
 (continuous batching with ``max_batch`` = the batch, KV cache, sampling at temperature 1,
 ``--threads`` torch threads, in process), speculating with k drafts only while at most
-``--spec-max-concurrency`` requests run (the tail-aware setting).  ``wall_s`` is from the
+``--spec-max-concurrency`` requests run (the tail-aware setting), with the engine's default
+draft rule (``engine.spec_draft``, argmax; ``--draft sample`` for the heads' own draws) and
+coupled verification.  ``wall_s`` is from the
 first admission of the batch until its last request has finished; ``tokens_per_s`` is the
 tokens generated over it; ``speedup`` at k is wall at k=0 / wall at k; ``cpu_speedup`` is the
 same ratio of the decoding thread's CPU time (less sensitive to other processes on a shared
@@ -46,7 +48,7 @@ forward pass, drafting, exact host-side sampling, bookkeeping, the rest) and add
 JSON as ``step_profile_ms``.
 
     python bench/mtp.py [--model hf|builtin] [--train-steps 400] [--batch 64] [--repeats 3]
-                        [--runs 5] [--profile]
+                        [--runs 5] [--draft argmax|sample] [--profile]
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from typing import Any
 import torch
 from runstats import spread  # bench/ (a script's own folder is on sys.path)
 
+from erlay.actors.config import EngineSection
 from erlay.actors.engine import core
 from erlay.actors.engine.api import GenerationRequest
 from erlay.actors.engine.core import DecodeBatch, Sequence
@@ -136,8 +139,8 @@ def batch_requests(args: argparse.Namespace, temperature: float) -> list[Generat
     return out
 
 
-def decode(model: Policy, reqs: list[GenerationRequest], k: int,
-           max_concurrency: int, max_batch: int) -> tuple[float, list[Sequence], dict]:
+def decode(model: Policy, reqs: list[GenerationRequest], k: int, max_concurrency: int,
+           max_batch: int, draft: str) -> tuple[float, list[Sequence], dict]:
     """Decode ``reqs`` with continuous batching as the engine does; (wall s, sequences,
     the tail report plus ``cpu_s`` (this thread's CPU time over the same span),
     ``acceptance_by_position`` and ``tail_step_ms``: the wall ms of every step taken while
@@ -158,7 +161,7 @@ def decode(model: Policy, reqs: list[GenerationRequest], k: int,
         step_k = k if k and in_tail else 0
         before = sum(s.generated for s in rows)
         s0 = time.perf_counter()
-        batch.step(step_k)
+        batch.step(step_k, "coupled", draft)  # type: ignore[arg-type]
         if in_tail:
             step_ms.append((time.perf_counter() - s0) * 1e3)
         window.step(len(rows), sum(s.generated for s in rows) - before, step_k)
@@ -187,7 +190,8 @@ def one_run(args: argparse.Namespace, model: Policy, reqs: list[GenerationReques
     tokens: dict[int, list[list[int]]] = {}
     for _ in range(args.repeats):
         for k in ks:   # interleaved, so drift on a shared machine hits every k alike
-            wall, seqs, report = decode(model, reqs, k, args.spec_max_concurrency, args.batch)
+            wall, seqs, report = decode(model, reqs, k, args.spec_max_concurrency, args.batch,
+                                        args.draft)
             walls[k].append(wall)
             cpus[k].append(report["cpu_s"])
             steps[k] += report.pop("tail_step_ms")
@@ -240,7 +244,7 @@ def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[Generation
             while batch.rows:
                 active[0] = len(batch.rows) <= args.spec_max_concurrency
                 t0 = time.perf_counter()
-                batch.step(k if active[0] else 0)
+                batch.step(k if active[0] else 0, "coupled", args.draft)
                 if active[0]:
                     total += time.perf_counter() - t0
                     steps += 1
@@ -266,6 +270,9 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=5)
     parser.add_argument("--spec-max-concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft", choices=("argmax", "sample"),
+                        default=EngineSection().spec_draft,
+                        help="the MTP heads' draft rule (default: the engine's default)")
     parser.add_argument("--profile", action="store_true",
                         help="also print where a tail step's time goes (plain and best k)")
     parser.add_argument("--model", choices=("hf", "builtin"), default="hf",
@@ -294,7 +301,8 @@ def main() -> None:
             cpu_speedups[k].append(cpu[0] / cpu[k])
             step_ms[k].append(step[k])
             rates[k].append(made[k] / wall[k])
-    greedy_out = {k: [s.completion for s in decode(model, greedy, k, 0, args.batch)[1]]
+    greedy_out = {k: [s.completion for s in decode(model, greedy, k, 0, args.batch,
+                                                   args.draft)[1]]
                   for k in ks}
     load1 = os.getloadavg()[0]
     speedup = {k: spread(speedups[k], digits=3) for k in ks}
@@ -303,7 +311,8 @@ def main() -> None:
           f"(max_batch {args.batch}), lengths "
           f"p50 {reports[0]['length_p50']}, p90 {reports[0]['length_p90']}, max "
           f"{reports[0]['length_max']}; temperature 1; speculation while <= "
-          f"{args.spec_max_concurrency} requests run; {args.threads} torch thread(s); "
+          f"{args.spec_max_concurrency} requests run; {args.draft} drafts; "
+          f"{args.threads} torch thread(s); "
           f"1-min load average {load0:.2f} -> {load1:.2f}")
     print(f"wall_s: first admission -> last request finished, median of {args.repeats} "
           f"interleaved repeats per run; {args.runs} runs, median (min-max); speedup = wall "
@@ -345,7 +354,8 @@ def main() -> None:
         "tail_step_ms": {k: spread(step_ms[k], digits=3) for k in ks},
         "cpu_speedup": {k: spread(cpu_speedups[k], digits=3) for k in ks},
         "length_p50": reports[0]["length_p50"], "length_max": reports[0]["length_max"],
-        "model": args.model, "spec_max_concurrency": args.spec_max_concurrency, **trained,
+        "model": args.model, "spec_max_concurrency": args.spec_max_concurrency,
+        "draft": args.draft, **trained,
         "repeats": args.repeats, "runs": args.runs,
         "load_avg_1m": [round(load0, 2), round(load1, 2)],
         "bench_wall_s": round(time.perf_counter() - began, 1),

@@ -53,7 +53,7 @@ from erlay.actors.engine.api import (
     TokenChunk,
 )
 from erlay.actors.model.build import Policy
-from erlay.actors.model.mtp import Verify, draft_token, verify_draft
+from erlay.actors.model.mtp import Draft, Verify, draft_token, point_mass_logits, verify_draft
 from erlay.actors.model.policy import KVBuffer, KVCache, left_pad
 from erlay.actors.model.sampling import sample_rows, uniform_grid
 
@@ -266,17 +266,19 @@ class DecodeBatch:
         self.rows.extend(seqs)
 
     @torch.inference_mode()
-    def step(self, k: int = 0, verify: Verify = "coupled") -> list[Sequence]:
+    def step(self, k: int = 0, verify: Verify = "coupled",
+             draft: Draft = "argmax") -> list[Sequence]:
         """Sample one token for every row, then advance the rows that go on by one position.
-        With ``k > 0`` and MTP heads, each row also drafts up to ``k`` more tokens, verified in
-        the same forward pass (:meth:`_speculate`; the rules are in :mod:`erlay.actors.model.mtp`).
+        With ``k > 0`` and MTP heads, each row also drafts up to ``k`` more tokens by the
+        ``draft`` rule, verified in the same forward pass by the ``verify`` rule
+        (:meth:`_speculate`; the rules are in :mod:`erlay.actors.model.mtp`).
 
         Returns the sequences that finished in this step (already removed from the batch).
         """
         if not self.rows:
             return []
         if k > 0 and len(self.model.mtp) > 0:
-            return self._speculate(min(k, len(self.model.mtp)), verify)
+            return self._speculate(min(k, len(self.model.mtp)), verify, draft)
         assert self._next_logits is not None
         self._sample_next()
         finished = self.drop_finished()
@@ -322,7 +324,7 @@ class DecodeBatch:
         self._next_hidden = hidden[:, -1]
         self._next_logits = self.model.head(self._next_hidden)
 
-    def _speculate(self, k: int, verify: Verify) -> list[Sequence]:
+    def _speculate(self, k: int, verify: Verify, draft: Draft) -> list[Sequence]:
         """One speculative step: sample each row's next token ``x0`` as :meth:`step` does,
         draft up to ``k`` tokens after it with the MTP heads, feed ``x0`` and the drafts
         through the model in one pass (one cache slot each), and keep the drafts the base
@@ -356,7 +358,7 @@ class DecodeBatch:
         u = uniform_grid(seeds, starts, k + 1)                            # [B, k + 1]
         columns = [token]
         draft_logits: list[np.ndarray] = []
-        if verify == "coupled":
+        if verify == "coupled" and draft == "sample":
             like = self._next_hidden
             u_t = torch.tensor(np.ascontiguousarray(u.T)[:, :, None], dtype=like.dtype,
                                device=like.device)                # [k + 1, B, 1]
@@ -366,6 +368,12 @@ class DecodeBatch:
                 else None
         for j in range(k):
             h, q = self.model.draft_step(j, h, columns[-1])
+            if draft == "argmax":
+                columns.append(q.argmax(dim=-1))
+                if verify == "rejection":   # the proposal is the point mass on the draft
+                    draft_logits.append(point_mass_logits(columns[-1].cpu().numpy(),
+                                                          q.shape[-1]))
+                continue
             if verify == "coupled":   # the draw plain decoding makes there, near enough
                 columns.append(_draft_draw(q, scale, greedy, u_t[j]))
                 continue

@@ -125,19 +125,22 @@ class TorchEngine:
     def __init__(self, model_config: dict[str, Any], *, max_batch: int = 64,
                  torch_threads: int = 1, initial_state: dict[str, Any] | None = None,
                  version: int = 0, seed: int = 0, spec_k: int = 0,
-                 spec_max_concurrency: int = 0, spec_verify: str = "coupled") -> None:
+                 spec_max_concurrency: int = 0, spec_verify: str = "coupled",
+                 spec_draft: str = "argmax") -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if spec_k and not model_config.get("mtp_heads"):
             raise ValueError(f"spec_k {spec_k} needs a policy with MTP heads (mtp_heads > 0)")
         if spec_verify not in ("coupled", "rejection"):
             raise ValueError(f"spec_verify must be coupled or rejection, got {spec_verify!r}")
+        if spec_draft not in ("argmax", "sample"):
+            raise ValueError(f"spec_draft must be argmax or sample, got {spec_draft!r}")
         # Self-speculative decoding: draft spec_k tokens with the MTP heads, but only while
         # at most spec_max_concurrency requests run (0: always).  At high concurrency a
         # decode step is already busy; in the long tail of a batch it is not, and that is
         # where drafting pays.
         self.spec_k, self.spec_max_concurrency = spec_k, spec_max_concurrency
-        self.spec_verify = spec_verify
+        self.spec_verify, self.spec_draft = spec_verify, spec_draft
         self._tail = TailWindow()
         # Explicit, because the engine shares a couple of cores with everything else.
         torch.set_num_threads(torch_threads)
@@ -345,7 +348,8 @@ class TorchEngine:
         k = self.spec_k if self.spec_k and (not self.spec_max_concurrency
                                             or len(rows) <= self.spec_max_concurrency) else 0
         before = sum(seq.generated for seq in rows)
-        await asyncio.to_thread(batch.step, k, self.spec_verify)  # type: ignore[arg-type]
+        await asyncio.to_thread(batch.step, k, self.spec_verify,  # type: ignore[arg-type]
+                                self.spec_draft)
         made = sum(seq.generated for seq in rows) - before
         self._counters.decode_steps += 1
         self._counters.tokens_generated += made

@@ -256,8 +256,8 @@ class Job:
             max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
             seed=cfg.run.seed, spec_k=cfg.engine.spec_k,
             spec_max_concurrency=cfg.engine.spec_max_concurrency,
-            spec_verify=cfg.engine.spec_verify), options=opts,
-            boot_ahead=cfg.supervision.boot_ahead)
+            spec_verify=cfg.engine.spec_verify, spec_draft=cfg.engine.spec_draft),
+            options=opts, boot_ahead=cfg.supervision.boot_ahead)
 
     def build(self) -> SupervisionTree:
         from erlay.actors.job.coordinator import RolloutCoordinator

@@ -17,6 +17,20 @@ next one; the built-in engine verifies the drafts with one forward pass of the b
 Greedy decoding (temperature 0) accepts a draft iff it is the base model's argmax under both
 rules, so greedy output is identical to plain decoding.  Every logprob returned is the base
 model's (under the tempered distribution, or at temperature 1 for greedy), never a draft's.
+
+Two draft rules, for either verification (neither changes what is emitted, only how often a
+draft is accepted):
+
+- ``argmax`` (the default): the head's most likely token, as vLLM's MTP and EAGLE proposers
+  draft.  Under coupled verification a draft ``d`` is accepted with probability ``p(d)``,
+  the base model's own probability of it, so a head that ranks the base's likely token first
+  is enough; under the rejection rule the proposal is the point mass on ``d`` (accept with
+  probability ``p(d)``, else draw from ``p`` without ``d``).
+- ``sample``: the head's own draw at the position's uniform (coupled) or an independent draw
+  from it (rejection).  Coupled, it is accepted iff the head's and the base's inverse-CDF
+  draws at the same ``u`` agree: better than ``argmax`` only when the head's distribution
+  matches the base's closely, worse when the head is less sure than the base (the measured
+  acceptance of both is in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from erlay.actors.model.policy import left_pad
 from erlay.actors.model.sampling import sample_token_f64, uniform
 
 Verify = Literal["coupled", "rejection"]
+Draft = Literal["argmax", "sample"]
 # Seed salts of the rejection rule's extra draws (draft, accept test, residual), so they are
 # independent of the plain draw u(seed, p).
 _SALT_DRAFT, _SALT_ACCEPT, _SALT_RESIDUAL = 0x5EED_D1, 0x5EED_A2, 0x5EED_E3
@@ -98,6 +113,14 @@ def draft_token(q_row: np.ndarray, temperature: float, seed: int, position: int,
     """The draft at completion position ``position`` from head logits ``q_row``."""
     salt = _SALT_DRAFT if verify == "rejection" else 0
     return sample_token_f64(q_row, temperature, seed ^ salt, position)[0]
+
+
+def point_mass_logits(drafts: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``[B, V]`` logits of the point mass on each row's draft (``-inf`` elsewhere): the
+    proposal distribution ``q`` of an ``argmax`` draft, for the rejection rule."""
+    q = np.full((len(drafts), vocab_size), -np.inf)
+    q[np.arange(len(drafts)), drafts] = 0.0
+    return q
 
 
 def verify_draft(p_row: np.ndarray, q_row: np.ndarray, draft: int, temperature: float,

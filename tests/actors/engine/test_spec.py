@@ -117,3 +117,8 @@ def test_speculation_without_heads_is_refused() -> None:
     plain = {**CONFIG.to_dict(), "mtp_heads": 0}
     with pytest.raises(ValueError, match="MTP heads"):
         TorchEngine(plain, spec_k=2)
+
+
+def test_an_unknown_draft_rule_is_refused() -> None:
+    with pytest.raises(ValueError, match="spec_draft must be argmax or sample"):
+        TorchEngine(CONFIG.to_dict(), spec_k=2, spec_draft="beam")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 
@@ -31,44 +32,52 @@ def requests(n: int, temperature: float, new: int = 20) -> list[GenerationReques
                               temperature=temperature, stop_ids=(2,)) for i in range(n)]
 
 
-def decode(m: PolicyModel, reqs: list[GenerationRequest], k: int,
-           verify: str = "coupled") -> tuple[list[Sequence], DecodeBatch]:
+def decode(m: PolicyModel, reqs: list[GenerationRequest], k: int, verify: str = "coupled",
+           draft: str = "argmax") -> tuple[list[Sequence], DecodeBatch]:
     seqs = [Sequence(r) for r in reqs]
     batch = DecodeBatch(m)
     batch.admit(seqs)
     while batch.rows:
-        batch.step(k, verify)  # type: ignore[arg-type]
+        batch.step(k, verify, draft)  # type: ignore[arg-type]
     return seqs, batch
 
 
+@pytest.mark.parametrize("draft", ["argmax", "sample"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_coupled_speculation_is_token_identical_to_plain_decoding(temperature: float) -> None:
+def test_coupled_speculation_is_token_identical_to_plain_decoding(temperature: float,
+                                                                  draft: str) -> None:
     m = model()
     plain = run_to_completion(m, requests(6, temperature))
     for k in (1, 3, 4):
-        spec, batch = decode(m, requests(6, temperature), k)
+        spec, batch = decode(m, requests(6, temperature), k, draft=draft)
         assert [s.completion for s in spec] == [s.completion for s in plain], k
         for a, b in zip(spec, plain, strict=True):
             assert np.allclose(a._unstreamed_logprobs, b._unstreamed_logprobs, atol=1e-4)
         assert batch.drafted > 0
 
 
-def test_trained_heads_raise_acceptance_and_the_loss_falls() -> None:
-    m = model()
+def train_heads(m: PolicyModel, steps: int = 150) -> tuple[float, float]:
+    """Train the MTP heads on the policy's greedy completions; (first, last) loss."""
     prompts = [[1, 3 + i % 5, 4] for i in range(16)]
     completions = [s.completion for s in run_to_completion(m, requests(16, 0.0))]
     opt = torch.optim.Adam([p for p in m.mtp.parameters()], lr=3e-3)
-    _, before = decode(m, requests(16, 0.0), 4)
     first = None
     m.train()
-    for _ in range(150):
+    for _ in range(steps):
         opt.zero_grad()
         loss, n, _ = mtp_loss(m, prompts, completions)
         (loss / n).backward()
         opt.step()
         first = first if first is not None else float(loss.detach() / n)
     m.eval()
-    assert float(loss.detach() / n) < 0.5 * first
+    return first, float(loss.detach() / n)
+
+
+def test_trained_heads_raise_acceptance_and_the_loss_falls() -> None:
+    m = model()
+    _, before = decode(m, requests(16, 0.0), 4)
+    first, last = train_heads(m)
+    assert last < 0.5 * first
     _, after = decode(m, requests(16, 0.0), 4)
     assert after.accepted / after.drafted > max(0.5, before.accepted / before.drafted)
 
@@ -82,15 +91,17 @@ def test_trunk_is_untouched_by_the_mtp_loss() -> None:
     assert all(g is not None for name, g in grads.items() if name.startswith("mtp."))
 
 
-def test_rejection_sampling_keeps_the_base_distribution() -> None:
-    """Tokens at drafted positions follow the base model's marginal (chi-square test)."""
+@pytest.mark.parametrize("draft", ["argmax", "sample"])
+def test_rejection_sampling_keeps_the_base_distribution(draft: str) -> None:
+    """Tokens at drafted positions follow the base model's marginal (chi-square test), with
+    drafts sampled from the heads or proposed as their argmax (a point-mass proposal)."""
     m = model(1)
     with torch.no_grad():
         m.head.weight.div_(20.0)   # spread the distribution: a real test of the sampler
     n = 3000
     reqs = [GenerationRequest(f"s{i}", (1, 3, 4), 2, seed=i, temperature=1.0, stop_ids=())
             for i in range(n)]
-    spec, batch = decode(m, reqs, 1, "rejection")
+    spec, batch = decode(m, reqs, 1, "rejection", draft)
     assert batch.drafted > n / 2
     # Exact marginal of the second token: sum over the first.
     with torch.no_grad():
@@ -230,3 +241,27 @@ def test_draft_table_equals_the_module_forward_and_follows_weight_changes() -> N
             check()
         module.load_state_dict(MTPModule(16).state_dict())
         check()
+
+
+def test_argmax_drafts_do_not_depend_on_the_heads_confidence() -> None:
+    """An argmax draft is accepted when the base model draws the head's top token, however
+    sure the head is of it; a sampled draft is accepted when the two inverse-CDF draws agree,
+    so trained heads less sure than the base lose acceptances when sampled.  Flattening the
+    heads' outputs (same ranking) leaves argmax drafting's verification exactly as it was."""
+    reqs = requests(16, 1.0, new=24)
+
+    def acceptance(m: PolicyModel, draft: str) -> tuple[int, int]:
+        _, batch = decode(m, reqs, 3, draft=draft)
+        return batch.accepted, batch.drafted
+
+    sure = model()
+    train_heads(sure)
+    unsure = copy.deepcopy(sure)
+    with torch.no_grad():   # the heads' final norm scaled down: the same order, flatter
+        for head in unsure.mtp:
+            head.out.weight.mul_(0.2)
+            head.out.bias.mul_(0.2)
+    assert acceptance(unsure, "argmax") == acceptance(sure, "argmax")
+    accepted, drafted = acceptance(unsure, "argmax")
+    flat_accepted, flat_drafted = acceptance(unsure, "sample")
+    assert accepted / drafted > flat_accepted / flat_drafted
