@@ -12,10 +12,11 @@ The benchmark batch mixes many short completions with a few long ones (``--batch
 85% of 4-10 tokens, 15% of 50-80), so the batch's wall time is set by the tail, as in
 asynchronous RL.  For k in 0..max_k it decodes the same batch with the built-in engine's core
 (continuous batching with ``max_batch`` = the batch, KV cache, sampling at temperature 1,
-``--threads`` torch threads, in process), speculating with k drafts only while at most
-``--spec-max-concurrency`` requests run (the tail-aware setting), with the engine's default
-draft rule (``engine.spec_draft``, argmax; ``--draft sample`` for the heads' own draws) and
-coupled verification.  ``wall_s`` is from the
+``--threads`` torch threads, in process), speculating with k drafts at the engine's
+defaults: at every width (``engine.spec_max_concurrency`` 0; ``--spec-max-concurrency N``
+speculates only while at most N requests run, the tail-aware setting), argmax drafts
+(``engine.spec_draft``; ``--draft sample`` for the heads' own draws) and coupled
+verification.  ``wall_s`` is from the
 first admission of the batch until its last request has finished; ``tokens_per_s`` is the
 tokens generated over it; ``speedup`` at k is wall at k=0 / wall at k; ``cpu_speedup`` is the
 same ratio of the decoding thread's CPU time (less sensitive to other processes on a shared
@@ -29,9 +30,10 @@ spread: a target met by one lucky run is a miss.
 
 The cost of one verification step: ``verify_step_ms_at_best_k`` is the median wall time of a
 ``DecodeBatch.step(k)`` call (sampling the pending token, k draft steps, one forward pass over
-the k + 1 fed tokens, verification) among the steps taken while at most
-``--spec-max-concurrency`` requests run; ``plain_step_ms`` is the same for k=0 (a plain decode
-step over the same stretch of the batch), and ``verify_over_plain_step`` their ratio.
+the k + 1 fed tokens, verification) among the steps taken while at most ``TAIL_ROWS`` (16)
+requests run, the batch's tail, whatever the speculation setting; ``plain_step_ms`` is the
+same for k=0 (a plain decode step over the same stretch of the batch), and
+``verify_over_plain_step`` their ratio.
 ``acceptance_by_position`` is, per draft position j, accepted / verified drafts among the
 drafts that reached position j (a row's drafts after its first rejection are not verified).
 
@@ -80,6 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EOS, FIRST = 2, 4          # ids below FIRST are special
 VOCAB, MAX_LEN = 40, 96
 LENGTH_TOKENS = 36         # prompt token FIRST + n encodes length bucket n
+TAIL_ROWS = 16             # steps with at most this many requests running: the tail
 
 
 def lengths_of(rng: random.Random, n: int) -> list[int]:
@@ -144,7 +147,8 @@ def decode(model: Policy, reqs: list[GenerationRequest], k: int, max_concurrency
     """Decode ``reqs`` with continuous batching as the engine does; (wall s, sequences,
     the tail report plus ``cpu_s`` (this thread's CPU time over the same span),
     ``acceptance_by_position`` and ``tail_step_ms``: the wall ms of every step taken while
-    at most ``max_concurrency`` requests ran, speculative or plain)."""
+    at most ``TAIL_ROWS`` requests ran, speculative or plain).  It speculates while at most
+    ``max_concurrency`` requests run (0: always), as the engine does."""
     seqs = [Sequence(r) for r in reqs]
     waiting = list(seqs)
     batch = DecodeBatch(model)
@@ -157,12 +161,12 @@ def decode(model: Policy, reqs: list[GenerationRequest], k: int, max_concurrency
             batch.admit(waiting[:room])
             waiting = waiting[room:]
         rows = list(batch.rows)
-        in_tail = not max_concurrency or len(rows) <= max_concurrency
-        step_k = k if k and in_tail else 0
+        speculate = not max_concurrency or len(rows) <= max_concurrency
+        step_k = k if k and speculate else 0
         before = sum(s.generated for s in rows)
         s0 = time.perf_counter()
         batch.step(step_k, "coupled", draft)  # type: ignore[arg-type]
-        if in_tail:
+        if len(rows) <= TAIL_ROWS:
             step_ms.append((time.perf_counter() - s0) * 1e3)
         window.step(len(rows), sum(s.generated for s in rows) - before, step_k)
         for s in rows:
@@ -205,7 +209,7 @@ def one_run(args: argparse.Namespace, model: Policy, reqs: list[GenerationReques
 def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[GenerationRequest],
                   k: int, repeats: int = 5) -> dict[str, float]:
     """Where a tail step's time goes at ``k`` (0: a plain step): wall ms per step of each
-    phase, summed over the tail steps (at most ``--spec-max-concurrency`` requests running)
+    phase, summed over the tail steps (at most ``TAIL_ROWS`` requests running)
     of ``repeats`` decodes of ``reqs``.  Phases: ``forward`` (``model.hidden``: the pass over
     the 1 or k + 1 fed tokens, cache writes included), ``drafts`` (the MTP heads and their
     draft draws), ``host_sampling`` (the exact float64 draws: the pending token, the
@@ -242,9 +246,11 @@ def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[Generation
             active[0] = False   # the prefill is no tail step
             batch.admit(seqs)
             while batch.rows:
-                active[0] = len(batch.rows) <= args.spec_max_concurrency
+                active[0] = len(batch.rows) <= TAIL_ROWS
+                cap = args.spec_max_concurrency
+                speculate = not cap or len(batch.rows) <= cap
                 t0 = time.perf_counter()
-                batch.step(k if active[0] else 0, "coupled", args.draft)
+                batch.step(k if speculate else 0, "coupled", args.draft)
                 if active[0]:
                     total += time.perf_counter() - t0
                     steps += 1
@@ -261,6 +267,11 @@ def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[Generation
     return out
 
 
+def speculation_scope(max_concurrency: int) -> str:
+    return "at every width" if not max_concurrency else \
+        f"while <= {max_concurrency} requests run"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--train-steps", type=int, default=400)
@@ -268,7 +279,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--max-k", type=int, default=5)
-    parser.add_argument("--spec-max-concurrency", type=int, default=16)
+    parser.add_argument("--spec-max-concurrency", type=int,
+                        default=EngineSection().spec_max_concurrency,
+                        help="speculate only while at most this many requests run "
+                        "(default: the engine's default, 0 = always)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft", choices=("argmax", "sample"),
                         default=EngineSection().spec_draft,
@@ -310,15 +324,15 @@ def main() -> None:
     print(f"model: {args.model}; trained: {trained}; batch {args.batch} requests "
           f"(max_batch {args.batch}), lengths "
           f"p50 {reports[0]['length_p50']}, p90 {reports[0]['length_p90']}, max "
-          f"{reports[0]['length_max']}; temperature 1; speculation while <= "
-          f"{args.spec_max_concurrency} requests run; {args.draft} drafts; "
+          f"{reports[0]['length_max']}; temperature 1; speculation "
+          f"{speculation_scope(args.spec_max_concurrency)}; {args.draft} drafts; "
           f"{args.threads} torch thread(s); "
           f"1-min load average {load0:.2f} -> {load1:.2f}")
     print(f"wall_s: first admission -> last request finished, median of {args.repeats} "
           f"interleaved repeats per run; {args.runs} runs, median (min-max); speedup = wall "
           f"at k=0 / wall at k, per run; cpu_speedup: the same with the decoding thread's CPU "
           f"time; tail_step_ms: DecodeBatch.step call -> return while <= "
-          f"{args.spec_max_concurrency} requests run (k > 0: a verification step, drafting "
+          f"{TAIL_ROWS} requests run (k > 0: a verification step, drafting "
           f"included), median over every such step of a run's repeats; acceptance = "
           f"accepted / verified drafts, overall and per draft position (of the drafts "
           f"that reached it)")

@@ -11,9 +11,10 @@ status is 1.  The phases, and what each figure measures (from what event to what
   heads is warm-started (``LearnerCore.sft``, MTP loss on) on a counting language whose
   completions are predictable, then one heavy-tailed batch is decoded with the engine's
   batching core (:class:`~erlay.actors.engine.core.DecodeBatch`, continuous batching, KV
-  cache, temperature 1), with k drafts per step while at most ``spec_max_concurrency``
-  requests run.  ``wall_s`` per k: first admission until the last request finished, the
-  median of ``repeats`` decodes interleaved over k.  ``speedup`` = wall at k=0 / wall at
+  cache, temperature 1, the engine's default argmax drafts), with k drafts per step while at
+  most ``spec_max_concurrency`` requests run (0, the engine's default: at every width).
+  ``wall_s`` per k: first admission until the last request finished, the median of
+  ``repeats`` decodes interleaved over k.  ``speedup`` = wall at k=0 / wall at
   ``best_k``; ``acceptance`` = accepted / drafted drafts; ``greedy_identical``: greedy
   decoding gives the same tokens at ``best_k`` as at k=0.
 - ``checkpoint``: the device-to-host exposed ratio of an asynchronous checkpoint, on
@@ -176,7 +177,7 @@ def spread(values: Sequence[float], digits: int = 4) -> dict[str, Any]:
 # start; predictable, so MTP drafts get accepted once the heads have learnt it.
 EOS, FIRST, VOCAB, MAX_LEN = 2, 4, 40, 96
 MTP_SHAPES = {"gpu": dict(d_model=256, n_layers=4, n_heads=4, d_ff=1024, batch=64,
-                          train_steps=300, max_k=4, repeats=3, spec_max_concurrency=16),
+                          train_steps=300, max_k=4, repeats=3, spec_max_concurrency=0),
               "tiny": dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, batch=8,
                            train_steps=20, max_k=2, repeats=2, spec_max_concurrency=4)}
 
@@ -210,7 +211,8 @@ def decode(model: Any, requests: list[Any], k: int, max_concurrency: int,
         if waiting and room > 0:
             batch.admit(waiting[:room])
             waiting = waiting[room:]
-        batch.step(k if k and len(batch.rows) <= max_concurrency else 0)
+        speculate = not max_concurrency or len(batch.rows) <= max_concurrency
+        batch.step(k if k and speculate else 0)
     sync(device)
     return time.perf_counter() - t0, [s.completion for s in seqs], batch.drafted, \
         batch.accepted
