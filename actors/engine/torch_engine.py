@@ -135,10 +135,11 @@ class TorchEngine:
             raise ValueError(f"spec_verify must be coupled or rejection, got {spec_verify!r}")
         if spec_draft not in ("argmax", "sample"):
             raise ValueError(f"spec_draft must be argmax or sample, got {spec_draft!r}")
-        # Self-speculative decoding: draft spec_k tokens with the MTP heads, but only while
-        # at most spec_max_concurrency requests run (0: always).  At high concurrency a
-        # decode step is already busy; in the long tail of a batch it is not, and that is
-        # where drafting pays.
+        # Self-speculative decoding: draft spec_k tokens with the MTP heads (spec_draft: each
+        # head's argmax, or a draw from it), but only while at most spec_max_concurrency
+        # requests run (0: always).  At high concurrency a decode step is already busy, so a
+        # wide verification step costs about k + 1 plain ones on a CPU; whether it still
+        # pays depends on acceptance (docs/generation.md, tail-aware scheduling).
         self.spec_k, self.spec_max_concurrency = spec_k, spec_max_concurrency
         self.spec_verify, self.spec_draft = spec_verify, spec_draft
         self._tail = TailWindow()
