@@ -163,24 +163,55 @@ def test_engine_logprobs_equal_the_learners_sequence_logprobs(model: HFPolicy) -
         assert learner[i, :len(lps)].tolist() == pytest.approx(lps, abs=1e-5)
 
 
+def train_heads(model: Any, prompts: list[list[int]], completions: list[list[int]],
+                steps: int = 60) -> None:
+    """Fit the MTP heads to the policy's own completions (the trunk is detached)."""
+    from erlay.actors.model.mtp import mtp_loss
+    opt = torch.optim.Adam(model.mtp.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss, n, _ = mtp_loss(model, prompts, completions)
+        (loss / n).backward()
+        opt.step()
+    model.eval()
+
+
+@pytest.mark.parametrize("draft", ["sample", "argmax"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_speculative_decoding_with_mtp_heads_is_plain_decodings_output(
-        dirs: dict[str, Path], arch: str) -> None:
+        dirs: dict[str, Path], arch: str, draft: str) -> None:
     """Coupled verification on an HF model: drafts from heads on its hidden states, verified
-    in one pass with rejected slots masked in the cache, give plain decoding's tokens."""
+    in one pass with rejected slots masked in the cache, give plain decoding's tokens, under
+    either draft rule."""
     model = build_policy(spec(dirs[arch], mtp_heads=3), for_engine=True, seed=1).eval()
     assert len(model.mtp) == 3
-    with torch.no_grad():   # near-uniform logits: coupled drafts are often right
+    with torch.no_grad():   # near-uniform logits: coupled sampled drafts are often right
         model.head.weight.mul_(0.05)
     reqs = [request(model, f"s{i}", n, 24, seed=i, temperature=t)
             for i, (n, t) in enumerate([(3, 1.0), (14, 1.0), (25, 0.0)])]
     plain = run_to_completion(model, reqs)
-    seqs = [Sequence(r) for r in reqs]
-    batch = DecodeBatch(model)
-    batch.admit(seqs)
-    while batch.rows:
-        batch.step(k=3)
-    assert 0 < batch.accepted < batch.drafted   # both branches of verification ran
-    for ref, seq in zip(plain, seqs, strict=True):
-        assert seq.completion == ref.completion, seq.request_id
-        assert logprobs_of(seq) == pytest.approx(logprobs_of(ref), abs=1e-5)
+    plain_logprobs = [logprobs_of(ref) for ref in plain]   # taken once: it drains the chunks
+
+    def check() -> tuple[int, int]:
+        """Decode speculatively, compare with plain decoding; (accepted, drafted)."""
+        seqs = [Sequence(r) for r in reqs]
+        batch = DecodeBatch(model)
+        batch.admit(seqs)
+        while batch.rows:
+            batch.step(k=3, draft=draft)  # type: ignore[arg-type]
+        for ref, want, seq in zip(plain, plain_logprobs, seqs, strict=True):
+            assert seq.completion == ref.completion, seq.request_id
+            assert logprobs_of(seq) == pytest.approx(want, abs=1e-5)
+        return batch.accepted, batch.drafted
+
+    accepted, drafted = check()
+    if draft == "argmax":
+        # Untrained heads' argmax is rarely the base's draw (the rejection branch); heads
+        # fitted to the policy's own completions are often right (the acceptance branch).
+        assert accepted < drafted
+        train_heads(model, [list(r.prompt_ids) for r in reqs], [s.completion for s in plain])
+        accepted, _ = check()
+        assert accepted > 0
+    else:
+        assert 0 < accepted < drafted   # both branches of verification ran
