@@ -23,6 +23,7 @@ from erlay.actors.model.policy import KVCache, left_pad, sequence_logprobs
 from erlay.actors.model.sampling import sample_token
 from erlay.actors.model.tiny import ARCHITECTURES
 from tests.actors.model.hf_tiny import spec, tiny_dirs
+from tests.actors.model.mtp_fit import fit_heads
 
 
 @pytest.fixture(scope="module")
@@ -163,20 +164,6 @@ def test_engine_logprobs_equal_the_learners_sequence_logprobs(model: HFPolicy) -
         assert learner[i, :len(lps)].tolist() == pytest.approx(lps, abs=1e-5)
 
 
-def train_heads(model: Any, prompts: list[list[int]], completions: list[list[int]],
-                steps: int = 60) -> None:
-    """Fit the MTP heads to the policy's own completions (the trunk is detached)."""
-    from erlay.actors.model.mtp import mtp_loss
-    opt = torch.optim.Adam(model.mtp.parameters(), lr=1e-2)
-    model.train()
-    for _ in range(steps):
-        opt.zero_grad()
-        loss, n, _ = mtp_loss(model, prompts, completions)
-        (loss / n).backward()
-        opt.step()
-    model.eval()
-
-
 @pytest.mark.parametrize("draft", ["sample", "argmax"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_speculative_decoding_with_mtp_heads_is_plain_decodings_output(
@@ -210,7 +197,8 @@ def test_speculative_decoding_with_mtp_heads_is_plain_decodings_output(
         # Untrained heads' argmax is rarely the base's draw (the rejection branch); heads
         # fitted to the policy's own completions are often right (the acceptance branch).
         assert accepted < drafted
-        train_heads(model, [list(r.prompt_ids) for r in reqs], [s.completion for s in plain])
+        fit_heads(model, [list(r.prompt_ids) for r in reqs], [s.completion for s in plain],
+                  steps=60, lr=1e-2)
         accepted, _ = check()
         assert accepted > 0
     else:

@@ -14,6 +14,7 @@ from erlay.actors.engine.api import GenerationRequest
 from erlay.actors.engine.core import DecodeBatch, Sequence, run_to_completion
 from erlay.actors.model.mtp import mtp_loss
 from erlay.actors.model.policy import MTPModule, PolicyConfig, PolicyModel
+from tests.actors.model.mtp_fit import fit_heads
 
 CONFIG = PolicyConfig(vocab_size=12, d_model=32, n_layers=2, n_heads=2, d_ff=64,
                       max_seq_len=40, mtp_heads=4)
@@ -60,17 +61,7 @@ def train_heads(m: PolicyModel, steps: int = 150) -> tuple[float, float]:
     """Train the MTP heads on the policy's greedy completions; (first, last) loss."""
     prompts = [[1, 3 + i % 5, 4] for i in range(16)]
     completions = [s.completion for s in run_to_completion(m, requests(16, 0.0))]
-    opt = torch.optim.Adam([p for p in m.mtp.parameters()], lr=3e-3)
-    first = None
-    m.train()
-    for _ in range(steps):
-        opt.zero_grad()
-        loss, n, _ = mtp_loss(m, prompts, completions)
-        (loss / n).backward()
-        opt.step()
-        first = first if first is not None else float(loss.detach() / n)
-    m.eval()
-    return first, float(loss.detach() / n)
+    return fit_heads(m, prompts, completions, steps=steps, lr=3e-3)
 
 
 def test_trained_heads_raise_acceptance_and_the_loss_falls() -> None:
