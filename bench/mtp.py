@@ -161,8 +161,7 @@ def decode(model: Policy, reqs: list[GenerationRequest], k: int, max_concurrency
             batch.admit(waiting[:room])
             waiting = waiting[room:]
         rows = list(batch.rows)
-        speculate = not max_concurrency or len(rows) <= max_concurrency
-        step_k = k if k and speculate else 0
+        step_k = core.drafts_for_step(k, len(rows), max_concurrency)
         before = sum(s.generated for s in rows)
         s0 = time.perf_counter()
         batch.step(step_k, "coupled", draft)  # type: ignore[arg-type]
@@ -247,10 +246,9 @@ def profile_steps(args: argparse.Namespace, model: Policy, reqs: list[Generation
             batch.admit(seqs)
             while batch.rows:
                 active[0] = len(batch.rows) <= TAIL_ROWS
-                cap = args.spec_max_concurrency
-                speculate = not cap or len(batch.rows) <= cap
+                step_k = core.drafts_for_step(k, len(batch.rows), args.spec_max_concurrency)
                 t0 = time.perf_counter()
-                batch.step(k if speculate else 0, "coupled", args.draft)
+                batch.step(step_k, "coupled", args.draft)
                 if active[0]:
                     total += time.perf_counter() - t0
                     steps += 1

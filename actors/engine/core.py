@@ -74,6 +74,13 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: i
                                  f"{bad[:5]} outside the vocabulary [0, {vocab_size})")
 
 
+def drafts_for_step(spec_k: int, running: int, max_concurrency: int) -> int:
+    """Drafts per row for the next step: ``spec_k`` while at most ``max_concurrency``
+    requests run (0: at every width), else 0 (a plain step).  The engine's rule, shared
+    with the benchmarks so that they decode as it does."""
+    return spec_k if spec_k and (not max_concurrency or running <= max_concurrency) else 0
+
+
 class Sequence:
     """One request's decoding state.
 

@@ -63,7 +63,7 @@ from erlay.actors.engine.api import (
     WeightsMismatch,
     drain_chunks,
 )
-from erlay.actors.engine.core import DecodeBatch, Sequence, validate_request
+from erlay.actors.engine.core import DecodeBatch, Sequence, drafts_for_step, validate_request
 from erlay.actors.engine.tail import TailWindow
 from erlay.actors.model.build import Policy, build_policy, load_engine_state
 from erlay.supervisor import telemetry
@@ -346,8 +346,7 @@ class TorchEngine:
             self.progress.tick()
         rows = list(batch.rows)
         self._counters.max_batch_size = max(self._counters.max_batch_size, len(rows))
-        k = self.spec_k if self.spec_k and (not self.spec_max_concurrency
-                                            or len(rows) <= self.spec_max_concurrency) else 0
+        k = drafts_for_step(self.spec_k, len(rows), self.spec_max_concurrency)
         before = sum(seq.generated for seq in rows)
         await asyncio.to_thread(batch.step, k, self.spec_verify,  # type: ignore[arg-type]
                                 self.spec_draft)

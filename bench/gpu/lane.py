@@ -200,7 +200,7 @@ def decode(model: Any, requests: list[Any], k: int, max_concurrency: int,
            device: str) -> tuple[float, list[list[int]], int, int]:
     """One batch through DecodeBatch as the engine drives it: (wall s, completions,
     drafted, accepted)."""
-    from erlay.actors.engine.core import DecodeBatch
+    from erlay.actors.engine.core import DecodeBatch, drafts_for_step
     from erlay.actors.engine.core import Sequence as Seq
     seqs = [Seq(r) for r in requests]
     waiting, batch = list(seqs), DecodeBatch(model)
@@ -211,8 +211,7 @@ def decode(model: Any, requests: list[Any], k: int, max_concurrency: int,
         if waiting and room > 0:
             batch.admit(waiting[:room])
             waiting = waiting[room:]
-        speculate = not max_concurrency or len(batch.rows) <= max_concurrency
-        batch.step(k if k and speculate else 0)
+        batch.step(drafts_for_step(k, len(batch.rows), max_concurrency))
     sync(device)
     return time.perf_counter() - t0, [s.completion for s in seqs], batch.drafted, \
         batch.accepted

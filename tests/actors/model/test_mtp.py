@@ -256,3 +256,12 @@ def test_argmax_drafts_do_not_depend_on_the_heads_confidence() -> None:
     accepted, drafted = acceptance(unsure, "argmax")
     flat_accepted, flat_drafted = acceptance(unsure, "sample")
     assert accepted / drafted > flat_accepted / flat_drafted
+
+
+def test_drafts_for_step_speculates_up_to_the_cap_and_zero_means_every_width() -> None:
+    """The engine's rule, which the benchmarks share: 0 is "always", not "never"."""
+    from erlay.actors.engine.core import drafts_for_step
+    assert drafts_for_step(5, 64, 0) == 5
+    assert drafts_for_step(5, 16, 16) == 5
+    assert drafts_for_step(5, 17, 16) == 0
+    assert drafts_for_step(0, 3, 0) == 0
