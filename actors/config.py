@@ -214,6 +214,9 @@ class EnvironmentSection(Section):
     cls: str = Field("erlay.environments.arithmetic:ArithmeticEnv", alias="class",
                      description="environment as module:Class")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="environment arguments")
+    workers_per_node: int = Field(2, ge=1, description="environment worker processes in each "
+                                  "node's environment host; each runs one call at a time, "
+                                  "so a call that freezes its process costs that worker only")
 
     @field_validator("cls")
     @classmethod
@@ -289,6 +292,10 @@ class PluginsSection(Section):
     max_failure_rate: float = Field(0.75, gt=0, le=1, description="a method failing more than "
                                     "this share of its window stops the job (exit code 1)")
     min_calls: int = Field(16, ge=1, description="calls before the failure rate counts")
+    build_timeout_s: float = Field(60.0, gt=0, description="deadline of building the "
+                                   "environment and the judge once, in a subprocess, before "
+                                   "anything starts (erlay run's preflight); a constructor "
+                                   "that raises or runs past it is exit code 2")
 
     @model_validator(mode="after")
     def _min_calls_fit(self) -> PluginsSection:
@@ -313,6 +320,11 @@ class CheckpointSection(Section):
     every_steps: int = Field(10, ge=1, description="save learner state + a journal snapshot "
                              "every this many RL steps (asynchronously)")
     keep: int = Field(3, ge=1, description="checkpoints kept on disk")
+    deadline_s: float = Field(300.0, gt=0, description="a checkpoint writer that makes no "
+                              "progress for this long (SIGSTOPped, stuck in D state, a hung "
+                              "filesystem) is killed and replaced; that save is recorded as "
+                              "failed, the previous committed checkpoint stays, training "
+                              "goes on")
 
 
 class TelemetrySection(Section):
@@ -386,6 +398,7 @@ class SupervisionSection(Section):
     generation: DomainFlags = DomainFlags()
     sandbox: DomainFlags = DomainFlags()
     judge: DomainFlags = DomainFlags()
+    environment: DomainFlags = DomainFlags()
     rollout: DomainFlags = DomainFlags()
 
 
