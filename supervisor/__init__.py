@@ -31,11 +31,12 @@ from erlay.supervisor.spec import (
     SubprocessStart,
     SupervisorFlags,
     SupervisorStart,
+    WorkerStart,
 )
 
 __all__ = [
     "ActorStart", "ChildDead", "ChildNotRunning", "ChildSpec", "ChildStartError",
     "ChildUnavailable", "ErlayError", "ExitKind", "ExitReason", "InProcessStart", "InvalidSpec",
     "Progress", "SubprocessStart", "SupervisorCallError", "SupervisorFailed", "SupervisorFlags",
-    "SupervisorStart", "TaskDeadlineExceeded", "TaskFailed",
+    "SupervisorStart", "TaskDeadlineExceeded", "TaskFailed", "WorkerStart",
 ]

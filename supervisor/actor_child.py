@@ -21,7 +21,9 @@ Optional hooks on the user's class, sync or async to match the class:
 
 ``_erlay_failpoints(op, name, spec)`` arms, disarms or lists the failpoints of the actor's
 process (see :func:`erlay.supervisor.failpoints.control`).  For a node host that includes every
-in-process child it hosts, since they share its process.
+in-process child it hosts, since they share its process; a class with an async
+``erlay_failpoints_changed(op, name, spec)`` hears of each change, and a host uses it to arm
+its worker processes too.
 
 A synchronous (threaded) class gets a small concurrency group for these methods so a busy
 work method cannot block death monitoring or progress reads.
@@ -137,7 +139,11 @@ def supervised_class(cls: type) -> Any:
 
         async def _erlay_failpoints(self: Any, op: str, name: str | None = None,
                                     spec: dict[str, Any] | None = None) -> dict[str, Any]:
-            return failpoints.control(op, name, spec)  # dict updates only: never blocks
+            report = failpoints.control(op, name, spec)  # dict updates only: never blocks
+            hook = getattr(self, "erlay_failpoints_changed", None)
+            if hook is not None:  # a host arms its worker processes too (bounded there)
+                await hook(op, name, spec)
+            return report
 
         methods = dict(_erlay_ready=_erlay_ready, _erlay_monitor=_erlay_monitor,
                        _erlay_progress=_erlay_progress, _erlay_stop=_erlay_stop,

@@ -36,11 +36,14 @@ class EventKind(enum.Enum):
     HANG = "hang"                      # a progress deadline passed; the child is killed
     QUARANTINE = "quarantine"          # a child is unreachable and being probed
     RECOVERED = "recovered"            # a quarantined child answered again
+    REPLACED = "replaced"              # a worker's process replaced in place: a call froze
+                                       # or killed it (erlay.supervisor.worker_process)
 
 
 _LEVELS = {EventKind.START: logging.INFO, EventKind.SHUTDOWN: logging.INFO,
            EventKind.RECOVERED: logging.INFO, EventKind.RESTART: logging.WARNING,
-           EventKind.EXIT: logging.WARNING, EventKind.QUARANTINE: logging.WARNING}
+           EventKind.EXIT: logging.WARNING, EventKind.QUARANTINE: logging.WARNING,
+           EventKind.REPLACED: logging.WARNING}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The node host: one Ray actor per (node, fault domain) that hosts light children.
 
 Sandbox workers, judge workers and environment workers do not each get a Ray actor.  They
-run inside the host of their node and domain, as in-process objects or subprocesses, under a
+run inside the host of their node and domain, as in-process objects, subprocesses or worker
+processes (:mod:`erlay.supervisor.worker_process`: code that may freeze, one call at a time,
+each under a deadline; :meth:`NodeHost.submit` hands calls to whichever is free), under a
 local :class:`~erlay.supervisor.runtime.Supervisor` that restarts them with no Ray control-plane
 traffic.  This keeps GCS registrations at O(nodes x domains).
 
@@ -40,8 +42,16 @@ from erlay.supervisor.spec import (
     InProcessStart,
     SubprocessStart,
     SupervisorFlags,
+    WorkerStart,
 )
 from erlay.supervisor.subprocess_child import SubprocessChild
+from erlay.supervisor.worker_process import (
+    ARMED,
+    CallOutcome,
+    WorkerCall,
+    WorkerPool,
+    WorkerProcess,
+)
 
 log = logging.getLogger("erlay.supervisor")
 
@@ -65,6 +75,7 @@ class NodeHost:
         self.keeper.declared_env.update(self.env)
         self.sup: Supervisor | None = None
         self._new_event: asyncio.Event | None = None
+        self.pool = WorkerPool(self._worker_processes)
 
     # -- lifecycle hooks used by the actor starter ---------------------------------------
     async def erlay_ready(self) -> None:
@@ -73,7 +84,9 @@ class NodeHost:
                            CallbackSink(lambda _e: self._new_event.set())])  # type: ignore[union-attr]
         starters = {InProcessStart: partial(_spawn, InProcessChild.start),
                     SubprocessStart: partial(_spawn, partial(SubprocessChild.start,
-                                                             keeper=self.keeper))}
+                                                             keeper=self.keeper)),
+                    WorkerStart: partial(_spawn, partial(WorkerProcess.start,
+                                                         keeper=self.keeper))}
         self.sup = Supervisor(self.path, self.flags, self.children, starters=starters, sink=sink)
         await self.sup.boot()
         # A simple_one_for_one host re-creates its pool at every boot, so a host restarted
@@ -106,6 +119,40 @@ class NodeHost:
 
     async def ping(self) -> int:
         return os.getpid()
+
+    # -- worker processes ----------------------------------------------------------------
+    def _worker_processes(self) -> list[WorkerProcess]:
+        sup = self.sup
+        if sup is None:
+            return []
+        procs = (sup.child(cid) for cid in sup.children_ids())
+        return [p for p in procs if isinstance(p, WorkerProcess)]
+
+    async def submit(self, calls: list[WorkerCall],
+                     queue_timeout_s: float = 60.0) -> list[CallOutcome]:
+        """Run ``calls`` on this host's worker processes, each on the first one free, first
+        come first served; the outcomes in the calls' order.  A call waits at most
+        ``queue_timeout_s`` for a free worker (else its outcome is ``lost``), then its own
+        deadline.  Never raises for what a worker or its code does."""
+        return list(await asyncio.gather(*(self.pool.run(call, queue_timeout_s)
+                                           for call in calls)))
+
+    async def worker_stats(self) -> dict[str, dict[str, Any]]:
+        """Each running worker process's counters (calls, outcomes, replacements)."""
+        return {w.path.rsplit("/", 1)[-1]: w.stats() for w in self._worker_processes()}
+
+    async def erlay_failpoints_changed(self, op: str, name: str | None,
+                                       spec: dict[str, Any] | None) -> None:
+        """A failpoint armed in this host is armed in its worker processes too, the ones
+        running now and every one started later (chaos: a user's code failing there)."""
+        match op:
+            case "arm" if name is not None and spec is not None:
+                ARMED[name] = dict(spec)
+            case "disarm" if name is not None:
+                ARMED.pop(name, None)
+            case "disarm_all":
+                ARMED.clear()
+        await asyncio.gather(*(w.control(op, name, spec) for w in self._worker_processes()))
 
     # -- the dynamic API, forwarded --------------------------------------------------------
     async def start_child(self, spec: ChildSpec | None = None, args: tuple[Any, ...] = ()) -> str:

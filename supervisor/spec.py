@@ -187,6 +187,34 @@ class SubprocessStart(StartSpec):
 
 
 @dataclass(frozen=True)
+class WorkerStart(StartSpec):
+    """A worker process (:mod:`erlay.supervisor.worker_process`): ``factory(*args, **kwargs)``
+    built in a subprocess of its own, which serves calls one at a time.
+
+    ``factory`` is a ``"module:attr"`` path, imported inside the subprocess, so the hosting
+    process never imports the code it runs.  ``call_timeout_s`` is a call's deadline unless
+    the caller gives one; ``ready_timeout_s`` bounds the process's start, the object's
+    construction included.  ``env`` is added to the host's forwarded environment.
+    """
+
+    factory: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    call_timeout_s: float = 10.0
+    ready_timeout_s: float = 60.0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factory, str) or ":" not in self.factory:
+            raise InvalidSpec("start.factory", self.factory, '"module:attr"')
+        for name in ("call_timeout_s", "ready_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not value > 0:
+                raise InvalidSpec(f"start.{name}", value, "a number of seconds > 0")
+
+
+@dataclass(frozen=True)
 class SupervisorFlags:
     """OTP's supervisor flags.  Defaults are OTP's: one_for_one, 1 restart in 5 seconds."""
 
@@ -270,7 +298,8 @@ class ChildSpec:
             raise InvalidSpec("id", self.id, "a non-empty string without '/'")
         if not isinstance(self.start, StartSpec):
             raise InvalidSpec(f"{self.id}.start", self.start,
-                              "ActorStart, InProcessStart, SubprocessStart or SupervisorStart")
+                              "ActorStart, InProcessStart, SubprocessStart, WorkerStart or "
+                              "SupervisorStart")
         object.__setattr__(self, "restart", _enum(Restart, f"{self.id}.restart", self.restart))
         object.__setattr__(self, "type", _enum(ChildType, f"{self.id}.type", self.type))
         if self.shutdown is None:
