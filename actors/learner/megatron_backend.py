@@ -127,7 +127,8 @@ class MegatronLearner:
                  lr_decay_steps: int = 0, lr_min_ratio: float = 0.1,
                  mtp_loss_weight: float = 0.0, device: str = "cuda",
                  checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
-                 ledger_path: str | None = None, init_model_dir: str | None = None,
+                 checkpoint_deadline_s: float = 300.0, ledger_path: str | None = None,
+                 init_model_dir: str | None = None,
                  tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  data_parallel: int | None = None, backend: str = "megatron",
                  fsdp_cpu_offload: bool = False, fsdp_reshard_after_forward: bool = True,
@@ -184,6 +185,7 @@ class MegatronLearner:
         self._published: dict[str, torch.Tensor] | None = None   # rank 0: merged HF weights
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_keep = checkpoint_keep
+        self.checkpoint_deadline_s = checkpoint_deadline_s
         self._checkpointer: Any = None
         self.restored: dict[str, Any] | None = None
         self._pending_state: dict[str, Any] | None = None

@@ -64,8 +64,9 @@ class Learner(LearnerCore):
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
-                 init_model_dir: str | None = None, ledger_path: str | None = None,
-                 rendezvous: str | None = None, **kwargs: Any) -> None:
+                 checkpoint_deadline_s: float = 300.0, init_model_dir: str | None = None,
+                 ledger_path: str | None = None, rendezvous: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # With a rendezvous key the ranks meet at rank 0's node, wherever Ray placed it
         # (erlay.actors.learner.rendezvous); without one, at master_addr:master_port.
@@ -84,6 +85,7 @@ class Learner(LearnerCore):
                 self.reference = self._frozen_copy()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_keep = checkpoint_keep
+        self.checkpoint_deadline_s = checkpoint_deadline_s
         self._checkpointer: Any = None   # AsyncCheckpointer, or ShardedCheckpointer (fsdp2)
         self.restored: dict[str, Any] | None = None
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
