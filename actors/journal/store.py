@@ -8,15 +8,18 @@ in the same order, so ``journal.state`` after a reopen equals the state before t
 Durability contract.  When ``record`` returns, the record has been written to the OS (the
 Python buffer is flushed on every record), so a *process* crash, SIGKILL included, loses
 nothing already recorded.  fsync only matters for a *machine* crash and follows
-:class:`FsyncPolicy`: ``always`` fsyncs every record; ``batch`` fsyncs at the record that
-reaches ``every_records`` unsynced records or comes ``every_s`` after the last fsync, and a
-timer thread fsyncs what is left ``every_s`` after the last fsync, so every record is on disk
-within ``every_s`` of being recorded even when no record follows it (``unsynced`` counts
-those still waiting); ``never`` fsyncs only in ``flush``, ``close``, segment rolls and
-snapshots, which fsync in every mode.  The timer follows the journal's clock, ends with
-``close`` (which fsyncs), and holds the journal only weakly, so a journal dropped without
-``close`` is still collected and releases its lock.  An fsync that fails on the timer fails
-the journal: later records raise :class:`JournalClosed`, as after a failed write.
+:class:`FsyncPolicy`: ``always`` fsyncs every record, in ``record``; ``batch`` fsyncs on a
+thread of its own, never in ``record``: as soon as ``every_records`` records wait, or
+``every_s`` after the last fsync when any does, so every record is on disk within ``every_s``
+(plus the fsync's own time) of being recorded, and a slow disk never holds up the recording
+thread (the coordinator), since the fsync runs outside the journal's lock, on a duplicate of
+the segment's file descriptor (``unsynced`` counts the records still waiting); ``never``
+fsyncs only in ``flush``, ``close``, segment rolls and snapshots, which fsync in every mode,
+in the calling thread (a roll every ``segment_bytes``, a snapshot every ``snapshot_every``
+records).  The fsync thread follows the journal's clock, ends with ``close`` (which fsyncs),
+and holds the journal only weakly, so a journal dropped without ``close`` is still collected
+and releases its lock.  An fsync that fails on that thread fails the journal: later records
+raise :class:`JournalClosed`, as after a failed write.
 
 On disk, under one directory::
 
@@ -170,7 +173,7 @@ class Journal:
         self._lock_file: IO[bytes] | None = None
         self._segment = recovered.last_segment or recovered.base
         self._size = recovered.last_size
-        self._unsynced = 0
+        self._synced_seq = recovered.state.applied   # records up to this seq are on disk
         self._last_sync = clock.monotonic()
         self._wake = threading.Condition(self._lock)  # wakes the fsync timer
         self._timer: threading.Thread | None = None
@@ -259,7 +262,7 @@ class Journal:
     @property
     def unsynced(self) -> int:
         """Records handed to the OS but not yet fsynced."""
-        return self._unsynced
+        return self._state.applied - self._synced_seq
 
     @property
     def position(self) -> JournalPosition | None:
@@ -299,11 +302,8 @@ class Journal:
                 raise
             self._size += len(data)
             apply(self._state, decoded)
-            self._unsynced += 1
             self._since_snapshot += 1
             self._maybe_sync()
-            if self._unsynced:
-                self._wake.notify()  # the timer syncs it if no record comes in time
             if self.snapshot_every is not None and self._since_snapshot >= self.snapshot_every:
                 try:
                     self._snapshot_locked()
@@ -373,42 +373,58 @@ class Journal:
         policy = self.fsync_policy
         match policy.mode:
             case "always":
-                due = True
+                self._sync_locked()
             case "batch":
-                due = (self._unsynced >= policy.every_records
-                       or self._clock.monotonic() - self._last_sync >= policy.every_s)
+                if self.unsynced >= policy.every_records:
+                    self._wake.notify()  # the fsync thread syncs them now
+                elif self.unsynced == 1:
+                    self._wake.notify()  # and counts every_s for the first one waiting
             case "never":
-                due = False
+                pass
             case _:
                 assert_never(policy.mode)
-        if due:
-            self._sync_locked()
 
-    def _timer_tick(self) -> float | None:
-        """One look of the fsync timer (under the lock): fsync if the oldest unsynced record
-        has waited ``every_s``; the seconds to sleep before the next look, or None to stop."""
+    def _timer_tick(self) -> float | _Sync | None:
+        """One look of the fsync thread (under the lock): a :class:`_Sync` to run outside
+        the lock when records wait and ``every_records`` of them do or ``every_s`` has passed
+        since the last fsync; else the seconds to sleep before the next look; None to stop."""
         if self._closed or self._failed is not None:
             return None
-        if self._unsynced == 0:
+        waiting = self.unsynced
+        if waiting == 0:
             return _TIMER_CHECK_S
         left = self._last_sync + self.fsync_policy.every_s - self._clock.monotonic()
-        if left > 0:
+        if left > 0 and waiting < self.fsync_policy.every_records:
             return min(left, _TIMER_CHECK_S)
+        assert self._file is not None
+        self._file.flush()
+        # A duplicate: a roll may close the segment's file while the fsync runs.
+        return _Sync(os.dup(self._file.fileno()), self._state.applied)
+
+    def _finish_sync(self, sync: _Sync) -> bool:
+        """Run ``sync`` (outside the lock), then record it; False when it failed, which
+        fails the journal."""
         try:
-            self._sync_locked()
+            os.fsync(sync.fd)
         except OSError as exc:
-            # The records' durability is unknown now (an fsync error may have dropped dirty
-            # pages): refuse more records rather than let them look safe.
-            self._failed = exc
-            log.error("journal %s: fsync failed on the timer: %s", self.directory, exc)
-            return None
-        return _TIMER_CHECK_S
+            with self._lock:
+                # The records' durability is unknown now (an fsync error may have dropped
+                # dirty pages): refuse more records rather than let them look safe.
+                self._failed = exc
+            log.error("journal %s: fsync failed on the fsync thread: %s", self.directory, exc)
+            return False
+        finally:
+            os.close(sync.fd)
+        with self._lock:
+            self._synced_seq = max(self._synced_seq, sync.through)
+            self._last_sync = self._clock.monotonic()
+        return True
 
     def _sync_locked(self) -> None:
         assert self._file is not None
         self._file.flush()
         os.fsync(self._file.fileno())
-        self._unsynced = 0
+        self._synced_seq = self._state.applied
         self._last_sync = self._clock.monotonic()
 
     def _open_segment(self) -> None:
@@ -459,16 +475,36 @@ class Journal:
                 path.unlink(missing_ok=True)
 
 
-def _run_fsync_timer(journal_ref: weakref.ref[Journal], wake: threading.Condition) -> None:
-    """The body of a batch journal's fsync timer thread (see the module docstring).
+@dataclass(frozen=True)
+class _Sync:
+    """One fsync for the fsync thread: a duplicate of the segment's descriptor, and the last
+    record it covers."""
 
-    It holds the journal only while it looks (``Journal._timer_tick``), never while it
-    sleeps, and ends when the journal closes, fails or is collected."""
+    fd: int
+    through: int
+
+
+def _run_fsync_timer(journal_ref: weakref.ref[Journal], wake: threading.Condition) -> None:
+    """The body of a batch journal's fsync thread (see the module docstring).
+
+    It holds the journal's lock only while it looks (``Journal._timer_tick``), never while it
+    fsyncs or sleeps, holds the journal itself only weakly, and ends when the journal
+    closes, fails or is collected."""
     while True:
         with wake:
             journal = journal_ref()
-            wait_s = journal._timer_tick() if journal is not None else None
+            plan = journal._timer_tick() if journal is not None else None
             del journal
-            if wait_s is None:
+            if plan is None:
                 return
-            wake.wait(wait_s)
+            if not isinstance(plan, _Sync):
+                wake.wait(plan)
+                continue
+        journal = journal_ref()
+        if journal is None:
+            os.close(plan.fd)
+            return
+        ok = journal._finish_sync(plan)
+        del journal
+        if not ok:
+            return

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -536,16 +537,45 @@ def test_fsync_always_syncs_every_record(tmp_path: Path, fsyncs: list[int]) -> N
         assert len(fsyncs) == 10
 
 
-def test_fsync_batch_syncs_per_record_count(tmp_path: Path, fsyncs: list[int]) -> None:
-    clock = FakeClock()
+def test_fsync_batch_syncs_on_its_thread_once_enough_records_wait(
+        tmp_path: Path, fsyncs: list[int]) -> None:
+    clock = FakeClock()   # never advanced: only the record count can make it due
     policy = FsyncPolicy(every_records=4, every_s=60.0)
     with Journal.open(tmp_path, fsync=policy, clock=clock, snapshot_every=None) as journal:
         fsyncs.clear()
-        for i in range(9):
+        for i in range(3):
             journal.record(dispatched(f"r{i}"))
-        assert len(fsyncs) == 2                 # at the 4th and the 8th record
-        journal.flush()
-        assert len(fsyncs) == 3
+        time.sleep(0.2)
+        assert fsyncs == [] and journal.unsynced == 3
+        journal.record(dispatched("r3"))
+        wait_for(lambda: journal.unsynced == 0, timeout=2.0, what="the thread's fsync")
+        assert len(fsyncs) == 1
+
+
+def test_fsync_batch_never_syncs_in_the_recording_thread(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """A slow disk holds up the fsync thread, never ``record``."""
+    release = threading.Event()
+    synced_in: list[str] = []
+
+    def slow_fsync(fd: int) -> None:
+        synced_in.append(threading.current_thread().name)
+        release.wait(5)
+    policy = FsyncPolicy(every_records=2, every_s=0.01)
+    journal = Journal.open(tmp_path, fsync=policy, snapshot_every=None)
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    started = time.monotonic()
+    for i in range(50):
+        journal.record(dispatched(f"r{i}"))
+        if i == 2:
+            wait_for(lambda: synced_in, timeout=2.0, what="an fsync on the thread")
+    recorded_in = time.monotonic() - started
+    release.set()
+    journal.close()
+    assert recorded_in < 2.0   # 47 records while an fsync was stuck (5 s) in the thread
+    assert synced_in[0].startswith("erlay-journal-fsync")
+    assert synced_in[-1] == "MainThread"   # close's own fsync
 
 
 def test_fsync_batch_syncs_when_the_interval_has_passed(tmp_path: Path,
@@ -556,11 +586,10 @@ def test_fsync_batch_syncs_when_the_interval_has_passed(tmp_path: Path,
         fsyncs.clear()
         journal.record(dispatched("a"))
         journal.record(dispatched("b"))
+        time.sleep(0.2)
         assert fsyncs == []
         clock.advance(0.06)
-        journal.record(dispatched("c"))
-        assert len(fsyncs) == 1
-        journal.record(dispatched("d"))
+        wait_for(lambda: journal.unsynced == 0, timeout=2.0, what="the thread's fsync")
         assert len(fsyncs) == 1
 
 
