@@ -32,13 +32,25 @@ is a miss.
 - **Idle CPU**: every process of the job (the driver, Ray's gcs, raylet, agents and workers,
   the hosts and what they spawned), over idle windows, at the job's shape with stand-ins for
   the learner and the engine; against the same Ray with no tree.
+- **Frozen detection** (``frozen_detect_ms``, ``bench/supervision_frozen.py``): from the
+  SIGSTOP of a child's process (a NodeHost actor; an actor child) until its supervisor's
+  ``hang`` event (the event's own time), at the shipped heartbeat and at 1 s x 3, run ``i``
+  of ``n`` stopping the child ``i/n`` of a period after a heartbeat answer.  Each figure
+  carries its p99 (nearest rank: the max below 100 runs) and the documented range,
+  ``floor_ms`` = ``heartbeat_s x (misses - 1)`` to ``bound_ms`` = ``heartbeat_s x
+  (misses + 1)`` (docs/supervision.md, "Failure detection").  A p99 over the bound, or a
+  run under the floor, fails the bench after its table, naming the figure.
 
     python bench/supervision.py [--quick] [--runs 5] [--scale 4,16] [--pairs 7]
-                                [--plant-no-kill FIGURE]
+                                [--frozen-runs 3,5] [--plant-no-kill FIGURE]
     python bench/supervision.py --only calls [--pairs 7]    # the call figures alone, ~30 s
+    python bench/supervision.py --only frozen [--frozen-runs 3,5] [--frozen-kinds host,actor]
+                                [--plant-no-liveness]        # frozen_detect_ms alone, ~3 min
 
 ``--plant-no-kill hosted_restart_ms`` (or another restart figure) skips that kill: the run
 must then fail, naming the figure whose child never answered with a new incarnation.
+``--plant-no-liveness`` switches the heartbeat off for the frozen figures: no ``hang`` event
+follows the SIGSTOP, and the run must fail naming the figure instead of reporting a number.
 """
 
 from __future__ import annotations
@@ -56,7 +68,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
@@ -77,6 +89,13 @@ from erlay.supervisor.tree import SupervisionTree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runstats import spread  # bench/ (a script's own folder is on sys.path)
 from supervision_calls import bench_call_overhead, call_figures, print_call_table
+from supervision_frozen import (
+    FROZEN_KINDS,
+    FrozenNotFound,
+    frozen_figures,
+    outside_range,
+    print_frozen_table,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIG = REPO / "configs" / "cpu.yaml"
@@ -471,7 +490,7 @@ def bench_idle_cpu(windows: int, seconds: float) -> tuple[list[dict[str, float]]
 
 
 # ------------------------------------------------------------------------------ main
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer runs and trials")
     parser.add_argument("--runs", type=int, help="start runs at the shipped shape (default 5)")
@@ -484,41 +503,76 @@ def main() -> None:
     parser.add_argument("--call-blocks", type=int, default=10,
                         help="blocks per side in one call pair")
     parser.add_argument("--call-block", type=int, default=20, help="calls per block")
-    parser.add_argument("--only", choices=["calls"],
+    parser.add_argument("--only", choices=["calls", "frozen"],
                         help="run one part only (its figures and the load)")
     parser.add_argument("--idle-windows", type=int, help="idle windows (default 4)")
     parser.add_argument("--idle-seconds", type=float, help="seconds per idle window (5)")
+    parser.add_argument("--frozen-runs", help="SIGSTOPs per frozen figure at the shipped "
+                        "heartbeat and at 1 s x 3, default 3,5 (0 skips a setting)")
+    parser.add_argument("--frozen-kinds", default=",".join(FROZEN_KINDS),
+                        help="children to freeze: host,actor (default both)")
     parser.add_argument("--plant-no-kill", choices=RESTART_FIGURES, dest="plant",
                         help="skip the kill behind this figure: the run must fail")
-    args = parser.parse_args()
+    parser.add_argument("--plant-no-liveness", action="store_true",
+                        help="freeze children with the heartbeat off: the run must fail")
+    args = parser.parse_args(argv)
     runs = args.runs or (2 if args.quick else 5)
     scale = [int(x) for x in (args.scale or ("2" if args.quick else "4,16")).split(",")]
     trials = args.trials or (4 if args.quick else 10)
     windows = args.idle_windows or (2 if args.quick else 4)
     window_s = args.idle_seconds or (2.0 if args.quick else 5.0)
     pairs = max(5, args.pairs or 7)
+    shipped_runs, fast_runs = (int(x) for x in
+                               (args.frozen_runs or ("1,2" if args.quick else "3,5")).split(","))
+    kinds = tuple(args.frozen_kinds.split(","))
+    if not set(kinds) <= set(FROZEN_KINDS):
+        parser.error(f"--frozen-kinds: {args.frozen_kinds} (expected some of host,actor)")
     import logging
     logging.getLogger("erlay").setLevel(logging.ERROR)
     logging.getLogger("erlay.supervisor").setLevel(logging.ERROR)
     began, load0 = time.perf_counter(), os.getloadavg()[0]
-    ensure_ray(num_cpus=2, include_dashboard=False)
+    # A Ray already up (a test's) is not ours to shut down.
+    ours = ensure_ray(num_cpus=2, include_dashboard=False)["started"]
+
+    def fail(exc: Exception) -> NoReturn:
+        print(f"FAILED: {exc}")
+        if ours:
+            shutdown_ray()
+        sys.exit(1)
+
     if args.only == "calls":
         calls = bench_call_overhead(pairs, args.call_blocks, args.call_block)
         load1 = os.getloadavg()[0]
-        shutdown_ray()
+        if ours:
+            shutdown_ray()
         result = {**call_figures(calls), "load_avg_1m": [round(load0, 2), round(load1, 2)],
                   "wall_s": round(time.perf_counter() - began, 1)}
         print_call_table(result)
         print(json.dumps(result))
         return
+    if args.only == "frozen":
+        try:
+            frozen = frozen_figures((shipped_runs, fast_runs), kinds, args.plant_no_liveness)
+        except FrozenNotFound as exc:
+            fail(exc)
+        load1 = os.getloadavg()[0]
+        if ours:
+            shutdown_ray()
+        result = {"frozen_detect_ms": frozen,
+                  "load_avg_1m": [round(load0, 2), round(load1, 2)],
+                  "wall_s": round(time.perf_counter() - began, 1)}
+        print_frozen_table(frozen)
+        print(f"  load_avg_1m {result['load_avg_1m']} (start, end)")
+        print(json.dumps(result))
+        exit_outside_range(frozen)
+        return
     try:
         sub_ms, obj_ms = bench_hosted_restart(trials * 3, args.plant)
         actor_ms, detect_ms = bench_actor_restart(trials, args.plant)
         native_ms = bench_ray_native_restart(trials, args.plant)
-    except NoNewIncarnation as exc:
-        print(f"FAILED: {exc}")
-        shutdown_ray()
-        sys.exit(1)
+        frozen = frozen_figures((shipped_runs, fast_runs), kinds, args.plant_no_liveness)
+    except (NoNewIncarnation, FrozenNotFound) as exc:
+        fail(exc)
     shipped = start_ratios(shipped_domains(), runs, "s", warmup=True)
     cap = actor_cap()
     by_n = {sum(len(d.instances) for d in shipped_domains()): shipped}
@@ -529,7 +583,8 @@ def main() -> None:
     calls = bench_call_overhead(pairs, args.call_blocks, args.call_block)
     idle_ray, idle_tree = bench_idle_cpu(windows, window_s)
     load1 = os.getloadavg()[0]
-    shutdown_ray()
+    if ours:
+        shutdown_ray()
 
     def col(rows: list[dict[str, float]], key: str) -> list[float]:
         return [r[key] for r in rows]
@@ -548,6 +603,7 @@ def main() -> None:
         "actor_restart_ms": spread(actor_ms, digits=1),
         "ray_native_restart_ms": spread(native_ms, digits=1),
         "death_detect_ms": spread(detect_ms, digits=1),
+        "frozen_detect_ms": frozen,
         **call_figures(calls),
         "idle_cpu_percent": spread(col(idle_tree, "job"), digits=2),
         "idle_cpu_ray_alone_percent": spread(col(idle_ray, "job"), digits=2),
@@ -561,8 +617,20 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - began, 1),
     }
     print_table(result, window_s)
+    print_frozen_table(frozen)
     print_call_table(result)
     print(json.dumps(result))
+    exit_outside_range(frozen)
+
+
+def exit_outside_range(frozen: dict[str, Any]) -> None:
+    """Exit 1, naming each frozen figure outside its documented range (after the table and
+    the JSON line, so the numbers that failed are on record)."""
+    lines = outside_range(frozen)
+    for line in lines:
+        print(f"FAILED: {line}")
+    if lines:
+        sys.exit(1)
 
 
 def fmt(s: dict[str, Any]) -> str:

@@ -1,0 +1,56 @@
+"""bench/supervision.py's frozen-child figure at its smallest size: one SIGSTOP of a host at
+1 s x 3.  The figure comes out in the bench's JSON line with its documented range, and the
+planted run (the heartbeat off) fails naming the figure instead of reporting a number.
+
+The full figure (both kinds, the shipped heartbeat, several runs) takes minutes:
+``python bench/supervision.py --only frozen``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from bench import supervision
+
+SMALLEST = ["--only", "frozen", "--frozen-runs", "0,1", "--frozen-kinds", "host"]
+
+
+@pytest.fixture(autouse=True)
+def _erlay_log_levels() -> Iterator[None]:
+    """The bench quiets erlay's loggers for its run; the suite's later tests get them back."""
+    loggers = [logging.getLogger(name) for name in ("erlay", "erlay.supervisor")]
+    levels = [logger.level for logger in loggers]
+    yield
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(level)
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_frozen_detect_ms_reports_a_figure_within_its_documented_range(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    supervision.main(SMALLEST)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    figure = result["frozen_detect_ms"]["host_1sx3"]
+    assert {"median", "min", "max", "runs", "p99", "floor_ms", "bound_ms",
+            "p99_over_bound"} <= set(figure)
+    assert (figure["runs"], figure["heartbeat_s"], figure["misses"]) == (1, 1.0, 3)
+    assert figure["bound_ms"] == 4000.0 and figure["floor_ms"] == 2000.0
+    # The bench's own check, restated: it exits 1 on a figure outside its range.
+    assert figure["floor_ms"] <= figure["min"] and figure["p99"] <= figure["bound_ms"]
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_the_planted_run_without_a_heartbeat_fails_naming_the_figure(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        supervision.main([*SMALLEST, "--plant-no-liveness"])
+    out = capsys.readouterr().out
+    assert exited.value.code == 1
+    assert "FAILED: frozen_detect_ms host_1sx3: no hang event" in out
+    assert '"frozen_detect_ms": {' not in out, "no figure is reported"
