@@ -45,7 +45,7 @@ is a miss.
                                 [--frozen-runs 3,5] [--plant-no-kill FIGURE]
     python bench/supervision.py --only calls [--pairs 7]    # the call figures alone, ~30 s
     python bench/supervision.py --only frozen [--frozen-runs 3,5] [--frozen-kinds host,actor]
-                                [--plant-no-liveness]        # frozen_detect_ms alone, ~3 min
+                                [--frozen-phase F] [--plant-no-liveness]  # alone, ~3 min
 
 ``--plant-no-kill hosted_restart_ms`` (or another restart figure) skips that kill: the run
 must then fail, naming the figure whose child never answered with a new incarnation.
@@ -511,6 +511,9 @@ def main(argv: list[str] | None = None) -> None:
                         "heartbeat and at 1 s x 3, default 3,5 (0 skips a setting)")
     parser.add_argument("--frozen-kinds", default=",".join(FROZEN_KINDS),
                         help="children to freeze: host,actor (default both)")
+    parser.add_argument("--frozen-phase", type=float,
+                        help="stop every frozen run this fraction of a period after a "
+                        "heartbeat answer (default: run i of n at i/n)")
     parser.add_argument("--plant-no-kill", choices=RESTART_FIGURES, dest="plant",
                         help="skip the kill behind this figure: the run must fail")
     parser.add_argument("--plant-no-liveness", action="store_true",
@@ -527,6 +530,8 @@ def main(argv: list[str] | None = None) -> None:
     kinds = tuple(args.frozen_kinds.split(","))
     if not set(kinds) <= set(FROZEN_KINDS):
         parser.error(f"--frozen-kinds: {args.frozen_kinds} (expected some of host,actor)")
+    if args.frozen_phase is not None and not 0 <= args.frozen_phase < 1:
+        parser.error(f"--frozen-phase: {args.frozen_phase} (expected 0 <= phase < 1)")
     import logging
     logging.getLogger("erlay").setLevel(logging.ERROR)
     logging.getLogger("erlay.supervisor").setLevel(logging.ERROR)
@@ -552,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.only == "frozen":
         try:
-            frozen = frozen_figures((shipped_runs, fast_runs), kinds, args.plant_no_liveness)
+            frozen = frozen_figures((shipped_runs, fast_runs), kinds, args.plant_no_liveness,
+                                    args.frozen_phase)
         except FrozenNotFound as exc:
             fail(exc)
         load1 = os.getloadavg()[0]
@@ -570,7 +576,8 @@ def main(argv: list[str] | None = None) -> None:
         sub_ms, obj_ms = bench_hosted_restart(trials * 3, args.plant)
         actor_ms, detect_ms = bench_actor_restart(trials, args.plant)
         native_ms = bench_ray_native_restart(trials, args.plant)
-        frozen = frozen_figures((shipped_runs, fast_runs), kinds, args.plant_no_liveness)
+        frozen = frozen_figures((shipped_runs, fast_runs), kinds, args.plant_no_liveness,
+                                args.frozen_phase)
     except (NoNewIncarnation, FrozenNotFound) as exc:
         fail(exc)
     shipped = start_ratios(shipped_domains(), runs, "s", warmup=True)

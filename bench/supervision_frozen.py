@@ -9,10 +9,13 @@ under its domain supervisor; ``actor``: an actor child with the engine's progres
 at one heartbeat setting (the shipped one, read from ``configs/cpu.yaml``, and 1 s x 3).
 The stop lands at a chosen phase of the heartbeat: run ``i`` of ``n`` stops the child
 ``i/n`` of a period after the supervisor recorded a heartbeat answer, so run 0 has the
-worst phase (the child freezes just after answering) and the runs spread over the period.
+worst phase (the child freezes just after answering) and the runs spread over the period;
+``phase`` fixes it instead (a fraction of the period, for every run).
 The stopwatch starts at ``os.kill`` and ends at the ``time`` of the supervisor's ``hang``
 event as its sink recorded it, not when a poll of the sink saw it.  ``since_answer_ms`` is
-the same event's time from that last answer: the silence the supervisor judged.
+the same event's time from that last answer: the silence the supervisor judged, and
+``missed_heartbeats`` counts the runs by how many heartbeats had gone unanswered then
+(``misses - 1`` or ``misses``: docs/supervision.md says which and why).
 
 A stop that no ``hang`` event follows within twice the bound voids the figure
 (:class:`FrozenNotFound`); ``--plant-no-liveness`` switches the heartbeat off to show that
@@ -27,7 +30,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,9 +179,10 @@ class FrozenRun:
 
 
 def bench_frozen(kind: str, beat: Liveness, runs: int, figure: str, *,
-                 plant: bool = False) -> list[FrozenRun]:
+                 plant: bool = False, phase: float | None = None) -> list[FrozenRun]:
     """``runs`` SIGSTOPs of one child of ``kind`` with heartbeat ``beat`` (``plant``: with
-    nothing polling it), each until its supervisor's ``hang`` event.  Raises
+    nothing polling it), each until its supervisor's ``hang`` event, run ``i`` stopping
+    ``phase`` (default ``i / runs``) of a period after a heartbeat answer.  Raises
     FrozenNotFound, naming ``figure``, when no event comes within twice the bound."""
     _by_value()
     sink = MemorySink()
@@ -198,7 +201,8 @@ def bench_frozen(kind: str, beat: Liveness, runs: int, figure: str, *,
             pid = _fresh_pid(kind, ref, i + 1, pid, 120)
             answered = math.nan  # planted: no heartbeat is sent, nothing to align on
             if not plant:
-                answered = _after_answer(tree, parent, spec.id, beat.period_s * i / runs,
+                at = i / runs if phase is None else phase
+                answered = _after_answer(tree, parent, spec.id, beat.period_s * at,
                                          timeout=3 * beat.period_s)
             stopped_at = time.time()
             os.kill(pid, signal.SIGSTOP)
@@ -228,22 +232,38 @@ def p99(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def frozen_figure(runs: list[FrozenRun], beat: Liveness) -> dict[str, Any]:
+def frozen_figure(runs: list[FrozenRun], beat: Liveness, phase: float | None = None
+                  ) -> dict[str, Any]:
     """The runs' spread and p99, next to the documented range and the ratio p99 / bound;
-    ``since_answer_ms`` is the silence the supervisor judged (from the last answer)."""
+    ``since_answer_ms`` is the silence the supervisor judged (from the last answer);
+    ``phase`` where the runs stopped the child (``"i/n"``: spread over the period)."""
     ms = [r.detect_ms for r in runs]
     bound = bound_s(beat) * 1000
     top = p99(ms)
     return {**spread(ms, digits=1), "p99": round(top, 1), "heartbeat_s": beat.period_s,
             "misses": beat.misses, "floor_ms": round(floor_s(beat) * 1000, 1),
             "bound_ms": round(bound, 1), "p99_over_bound": round(top / bound, 4),
-            "since_answer_ms": spread([r.since_answer_ms for r in runs], digits=1)}
+            "since_answer_ms": spread([r.since_answer_ms for r in runs], digits=1),
+            "missed_heartbeats": missed_heartbeats(runs, beat),
+            "phase": "i/n" if phase is None else phase}
+
+
+def missed_heartbeats(runs: list[FrozenRun], beat: Liveness) -> dict[str, int]:
+    """Runs by how many heartbeats had gone unanswered when the hang was judged: the
+    silence since the last answer spans that many polls plus the answered one's period
+    (``misses - 1`` when the judgement came ``misses`` periods after the last answer)."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        key = str(round(run.since_answer_ms / (beat.period_s * 1000)) - 1)
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def frozen_figures(runs: tuple[int, int], kinds: tuple[str, ...], plant: bool,
-                   log: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
+                   phase: float | None = None) -> dict[str, Any]:
     """``frozen_detect_ms``: one figure per kind and setting (1 s x 3 first, then the
-    shipped one), ``runs`` = (shipped runs, 1 s x 3 runs); 0 skips a setting."""
+    shipped one), ``runs`` = (shipped runs, 1 s x 3 runs); 0 skips a setting.  ``phase``:
+    see :func:`bench_frozen`."""
     shipped = shipped_liveness()
     out: dict[str, Any] = {}
     for kind in kinds:
@@ -252,8 +272,7 @@ def frozen_figures(runs: tuple[int, int], kinds: tuple[str, ...], plant: bool,
             if n < 1 or key in out:
                 continue
             out[key] = frozen_figure(bench_frozen(kind, beat, n, f"frozen_detect_ms {key}",
-                                                  plant=plant), beat)
-            log(f"frozen_detect_ms {key}: {out[key]}")
+                                                  plant=plant, phase=phase), beat, phase)
     return out
 
 
@@ -275,12 +294,15 @@ def outside_range(figures: dict[str, Any]) -> list[str]:
 def print_frozen_table(figures: dict[str, Any]) -> None:
     print("frozen_detect_ms: SIGSTOP of the child's process -> its supervisor's hang event "
           "(the event's time); run i of n stops it i/n of a period after a heartbeat answer "
-          "(run 0: the worst phase); p99 is nearest-rank, the max below 100 runs")
+          "(run 0: the worst phase) unless --frozen-phase fixes it; p99 is nearest-rank, the "
+          "max below 100 runs")
     for key, f in figures.items():
         print(f"  {key:22s} {f['median']} ({f['min']}-{f['max']}, n={f['runs']})  "
               f"p99 {f['p99']}  range {f['floor_ms']}-{f['bound_ms']} ms = "
               f"{f['heartbeat_s']:g} s x ({f['misses']} -/+ 1)  p99/bound "
               f"{f['p99_over_bound']}")
         since = f["since_answer_ms"]
+        missed = ", ".join(f"{k} at {n}" for n, k in f["missed_heartbeats"].items())
         print(f"  {'':22s} from its last heartbeat answer: {since['median']} "
-              f"({since['min']}-{since['max']})")
+              f"({since['min']}-{since['max']}); runs judged at N unanswered heartbeats: "
+              f"{missed}")

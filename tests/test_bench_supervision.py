@@ -2,6 +2,10 @@
 1 s x 3.  The figure comes out in the bench's JSON line with its documented range, and the
 planted run (the heartbeat off) fails naming the figure instead of reporting a number.
 
+The run stops the host half a period after a heartbeat answer, so it lands half a period
+from either end of the window (2.5 or 3.5 s of 2-4 s) and a loaded machine's lateness
+cannot push it across; the bench's own runs include the worst phase.
+
 The full figure (both kinds, the shipped heartbeat, several runs) takes minutes:
 ``python bench/supervision.py --only frozen``.
 """
@@ -16,7 +20,8 @@ import pytest
 
 from bench import supervision
 
-SMALLEST = ["--only", "frozen", "--frozen-runs", "0,1", "--frozen-kinds", "host"]
+SMALLEST = ["--only", "frozen", "--frozen-runs", "0,1", "--frozen-kinds", "host",
+            "--frozen-phase", "0.5"]
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +41,8 @@ def test_frozen_detect_ms_reports_a_figure_within_its_documented_range(
     supervision.main(SMALLEST)
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     figure = result["frozen_detect_ms"]["host_1sx3"]
-    assert {"median", "min", "max", "runs", "p99", "floor_ms", "bound_ms",
-            "p99_over_bound"} <= set(figure)
+    assert {"median", "min", "max", "runs", "p99", "floor_ms", "bound_ms", "p99_over_bound",
+            "since_answer_ms", "missed_heartbeats"} <= set(figure)
     assert (figure["runs"], figure["heartbeat_s"], figure["misses"]) == (1, 1.0, 3)
     assert figure["bound_ms"] == 4000.0 and figure["floor_ms"] == 2000.0
     # The bench's own check, restated: it exits 1 on a figure outside its range.
