@@ -33,6 +33,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import threading
 import zlib
 from collections.abc import Iterator, Mapping
@@ -195,14 +196,17 @@ def tracer() -> trace.Tracer:
 
 
 def _service_name() -> str:
-    try:
-        import ray
-        name = ray.get_runtime_context().get_actor_name()
-        if name:
-            return name.replace("/", ".").replace("@", "-")
-    except Exception:  # noqa: BLE001 - not in a Ray worker: a plain process
-        pass
-    return "process"
+    """The actor's name in a Ray worker, the child's tree path in a process a host spawned
+    (``ERLAY_CHILD_PATH``), else ``process``.  Ray is asked only where it is loaded already:
+    importing it costs seconds, which a worker process must not pay on its first call."""
+    name = os.environ.get("ERLAY_CHILD_PATH")
+    if not name and "ray" in sys.modules:
+        try:
+            import ray
+            name = ray.get_runtime_context().get_actor_name()
+        except Exception:  # noqa: BLE001 - not in a Ray worker: a plain process
+            name = None
+    return name.replace("/", ".").replace("@", "-") if name else "process"
 
 
 def shutdown() -> None:

@@ -28,6 +28,7 @@ import asyncio
 import inspect
 import os
 import pickle
+import signal
 import socket
 import struct
 import sys
@@ -105,6 +106,10 @@ class _Server:
 
     def serve(self) -> int:
         from erlay.supervisor import failpoints
+        if os.environ.get("ERLAY_TELEMETRY"):
+            # Configured now, before ready: lazily, the first call would pay for it.
+            from erlay.supervisor import telemetry
+            telemetry.tracer()
         first = recv(self.sock)
         if first is None or first[0] != "init" or not self.init(*first[1:]):
             return 1
@@ -125,7 +130,12 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(0)  # so that atexit hooks (telemetry's flush) run on a polite stop
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     sock = socket.socket(fileno=int(os.environ.pop(FD_VAR)))
     try:
         return _Server(sock).serve()
