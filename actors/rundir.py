@@ -265,6 +265,8 @@ class RunDir:
                   f"- trained tokens: {trained_tokens(steps)} (each RL step once)",
                   f"- samples not trained: {sum(dropped.values())} ("
                   + ", ".join(f"{kind} {n}" for kind, n in dropped.items()) + ")",
+                  f"- poison inputs: {_last_per_step(steps, 'poison')} (calls that killed "
+                  "their worker twice, not tried again)",
                   f"- sandbox calls: {_sandbox_calls(records)}",
                   f"- restarts: {sum(restarts.values())}"]
         if restarts:
@@ -289,6 +291,12 @@ def _time_lines(timing: RunTiming) -> list[str]:
             "resume(s))",
             f"- RL time: {timing.rl_s:.1f} s (the sum of the RL step windows of every "
             "driver run)"]
+
+
+def _last_per_step(steps: list[dict[str, Any]], key: str) -> int:
+    """``key`` summed over the RL steps, each step's last record counted once."""
+    by_step = {int(m["step"]): int(m.get(key) or 0) for m in steps if "step" in m}
+    return sum(by_step.values())
 
 
 def _sandbox_calls(records: list[dict[str, Any]]) -> int:

@@ -428,20 +428,33 @@ def faults_injected(obs: RunObservation) -> Verdict:
     return Verdict(name, True, f"all {len(obs.faults)} fault(s) injected")
 
 
-def samples_judged(obs: RunObservation, min_share: float = 0.95) -> Verdict:
-    """At least ``min_share`` of the trained steps' samples were judged (a judge that fails
-    some calls is retried and circuit-broken per worker, not allowed to knock out the
-    healthy calls)."""
+def samples_judged(obs: RunObservation, min_share: float = 0.95,
+                   min_own: float = 0.90) -> Verdict:
+    """The judge's failures cost their own samples, never the healthy ones: at least
+    ``min_share`` of the samples the judge's own code did not fail on were judged, and, when
+    its own code failed at all, at least ``min_own`` of the judge failures carry their own
+    cause (a timeout, an exception, a bad return, a poison input; not "unavailable").  A
+    judge's own failure is not retried as the infrastructure's and trips no breaker, so
+    neither share falls.  Read from the RL step records (``judge_failed``, ``judge_own``)."""
     name = "samples_judged"
     steps = distinct_steps(obs.metrics)
     samples = sum(int(m.get("samples", 0)) for m in steps)
     if not samples:
         return cannot_check(name, "no RL step reported any sample")
     # judge_marked: the field's name in run dirs written before goodput had one meaning.
-    marked = sum(int(m.get("judge_failed", m.get("judge_marked", 0))) for m in steps)
-    share = 1 - marked / samples
-    return Verdict(name, share >= min_share, f"{samples - marked} of {samples} samples judged "
-                                             f"({share:.1%}; at least {min_share:.0%} needed)")
+    failed = sum(int(m.get("judge_failed", m.get("judge_marked", 0))) for m in steps)
+    own = sum(int(m.get("judge_own", 0)) for m in steps)
+    others = samples - own
+    share = (samples - failed) / others if others else 1.0
+    text = (f"{samples - failed} of the {others} samples the judge's own code did not fail "
+            f"on were judged ({share:.1%}; at least {min_share:.0%} needed)")
+    ok = share >= min_share
+    if own:
+        own_share = own / failed
+        ok = ok and own_share >= min_own
+        text += (f"; {own} of {failed} judge failures carry their own cause "
+                 f"({own_share:.1%}; at least {min_own:.0%} needed)")
+    return Verdict(name, ok, text)
 
 
 def check_all(obs: RunObservation, *, fault_free: RunObservation | None = None,

@@ -186,6 +186,8 @@ def build_report(scenario_name: str, obs: RunObservation, verdicts: list[Verdict
         good[f"goodput_vs_{name}"] = ours / theirs if theirs else None
     marked = dropped["judge_failed"]
     judged = {"samples": samples, "judge_failed": marked,
+              "judge_own": sum(int(m.get("judge_own", 0)) for m in obs.rl_steps()),
+              "poison": sum(int(m.get("poison", 0)) for m in obs.rl_steps()),
               "user_errors": dropped["user_errors"],
               "share": (1 - marked / samples) if samples else None}
     return {
@@ -250,8 +252,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     judged = report.get("judged") or {}
     if judged.get("share") is not None:
         lines.insert(-1, f"- samples judged: {judged['share']:.1%} of {judged['samples']} "
-                         f"({judged['judge_failed']} judge-failed, {judged['user_errors']} "
-                         "failed by user code)")
+                         f"({judged['judge_failed']} judge-failed, "
+                         f"{judged.get('judge_own', 0)} of them of the judge's own cause; "
+                         f"{judged['user_errors']} failed by user code; "
+                         f"{judged.get('poison', 0)} met a poison input)")
 
     # Injection times relative to the job's start, else to the first fault.
     faults = report["faults"]

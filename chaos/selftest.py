@@ -70,7 +70,7 @@ def _rid(step: int, k: int) -> str:
 
 
 class _Sample:
-    judged_ok, user_error = True, None
+    judged_ok, user_error, judge_kind, poison = True, None, "", 0
 
 
 def build_clean(root: Path) -> Built:

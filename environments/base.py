@@ -288,7 +288,8 @@ def load_environment(path: str, **kwargs: Any) -> Environment:
 # Sandbox outcomes (erlay.sandbox.results.Outcome values) and the short text an observation shows.
 _OUTCOME_TEXT = {"timeout": "timeout", "memory": "memory limit", "file_size": "file too large",
                  "output_limit": "too much output", "killed": "killed",
-                 "spawn_failed": "sandbox unavailable"}
+                 "spawn_failed": "sandbox unavailable",
+                 "poison": "the tool call killed its sandbox twice"}
 
 
 def tool_output_from_result(result: Mapping[str, Any]) -> tuple[str, bool]:

@@ -4,9 +4,8 @@
   protocols and :func:`load_judge`.
 - :mod:`erlay.judges.math`: :class:`~erlay.judges.math.MathJudge`, equivalence via ``math-verify``.
 - :mod:`erlay.judges.code`: :class:`~erlay.judges.code.CodeJudge`, tests run in the sandbox.
-- :mod:`erlay.judges.worker`: :class:`~erlay.judges.worker.JudgeWorker`, the hosted child that
-serves a
-  judge with a deadline, progress and a reuse cache.
+- :mod:`erlay.judges.server`: :class:`~erlay.judges.server.JudgeServer`, what a judge host's
+  worker processes serve: the judge's own failures as values, and a reuse cache.
 - :mod:`erlay.judges.budget`: retry budget and circuit breaker for callers of judges.
 
 The heavy judges (``math``: sympy) are not imported here, so importing the contract is cheap.

@@ -36,9 +36,10 @@ class Judgement:
     ``reward`` is finite.  ``ok=False`` means the judge could not decide; ``reason`` then
     says why, and the sample is marked rather than trained on.  ``kind`` types an undecided
     judgement: ``timeout`` (the judge hung), ``exception`` (it raised), ``bad_return`` (it
-    returned something that is not a Judgement, a NaN or infinite reward included) are the
-    judge's own failures; ``unavailable`` (no worker could be reached) and ``undecided``
-    (the judge said it cannot decide) are not.
+    returned something that is not a Judgement, a NaN or infinite reward included) and
+    ``poison`` (the input killed its worker process twice) are the judge's own failures;
+    ``unavailable`` (no worker could be reached) and ``undecided`` (the judge said it cannot
+    decide) are not.
     """
 
     reward: float
@@ -70,7 +71,7 @@ class Judgement:
 
 
 # The kinds of an undecided judgement that are the judge's own fault (user code failing).
-USER_ERROR_KINDS = ("timeout", "exception", "bad_return")
+USER_ERROR_KINDS = ("timeout", "exception", "bad_return", "poison")
 
 
 @runtime_checkable
@@ -91,7 +92,7 @@ class Judge(Protocol):
 @runtime_checkable
 class AsyncJudge(Protocol):
     """A judge that awaits I/O (a sandbox run, a model call).  Same contract as
-    :class:`Judge`; :class:`~erlay.judges.worker.JudgeWorker` prefers ``score_async`` when a judge
+    :class:`Judge`; :class:`~erlay.judges.server.JudgeServer` prefers ``score_async`` when a judge
     has both."""
 
     name: str

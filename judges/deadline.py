@@ -1,4 +1,6 @@
-"""Time budgets for blocking judge code: one daemon thread per call, abandoned on overrun.
+"""Time budgets for blocking judge code inside a judge: one daemon thread per call, abandoned
+on overrun.  (A judgement's own deadline is its worker process's: the host kills the process
+when it passes; this budget is a judge's first line, which answers without losing it.)
 
 Why a fresh thread per call and not a pool: Python cannot interrupt a thread, so a call that
 overruns its budget keeps its thread until it finishes on its own.  In a pool it would hold a
@@ -10,13 +12,12 @@ exit.
 Limit, stated plainly: a budget is enforced only while the overrunning code lets go of the
 GIL (pure-Python loops do, every few milliseconds).  C code that holds the GIL, such as a
 huge-integer power inside sympy, freezes the whole process, budget or not.  Judges therefore
-screen inputs that could trigger such work *before* doing it, and the supervisor's progress
-deadline for the ``judge_call`` phase is the backstop that restarts a frozen host.
+screen inputs that could trigger such work *before* doing it, and the judgement's deadline in
+its host is the backstop: the frozen worker process is killed and replaced.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -51,34 +52,3 @@ def call_with_budget(fn: Callable[..., T], *args: Any, budget_s: float,
     if ok:
         return value  # type: ignore[no-any-return]
     raise value
-
-
-def run_in_thread(fn: Callable[..., T], *args: Any, name: str = "erlay-judge",
-                  **kwargs: Any) -> asyncio.Future[T]:
-    """A future of the running loop resolved with ``fn(*args, **kwargs)`` computed in a new
-    daemon thread.  Cancelling the future (as ``asyncio.wait_for`` does on timeout) abandons
-    the thread; its late result is dropped."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if future.done():
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    def target() -> None:
-        value: Any
-        try:
-            ok, value = True, fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-            ok, value = False, exc
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:
-            pass  # the loop closed while the call overran; nobody is waiting any more
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    return future

@@ -47,6 +47,8 @@ class Outcome(enum.StrEnum):
     OUTPUT_LIMIT = "output_limit"  # output past the hard cap; the run was killed
     KILLED = "killed"              # died of another signal
     SPAWN_FAILED = "spawn_failed"  # the sandbox could not start the code (not the code's fault)
+    POISON = "poison"              # the run's host died under it twice; not run again (the
+                                   # caller's verdict, erlay.actors.job.domains.SandboxClient)
 
 
 _MISSING = object()

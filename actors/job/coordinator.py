@@ -35,15 +35,11 @@ from typing import Any
 
 import ray
 
-from erlay.actors.job.domains import (
-    CHILD_GONE,
-    BreakerSettings,
-    EnginePool,
-    JudgeClient,
-    SandboxClient,
-    Weights,
-)
-from erlay.actors.job.plugins import PluginFailing, UserCodeFailed, UserError
+from erlay.actors.job.domains import CHILD_GONE, EnginePool, SandboxClient, Weights
+from erlay.actors.job.env_client import EnvironmentClient
+from erlay.actors.job.hostcalls import HostCalls
+from erlay.actors.job.judge_client import JudgeClient
+from erlay.actors.job.plugins import PluginFailing, RateRule, UserCodeFailed, UserError
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
 from erlay.actors.job.validation import Validator
 from erlay.actors.journal.store import Journal
@@ -52,9 +48,11 @@ from erlay.actors.learner.core import TrainBatch
 from erlay.actors.learner.grpo import staleness_ok
 from erlay.actors.model.tokens import Tokenizer
 from erlay.actors.observe.goodput import StepCounts
+from erlay.judges.budget import CircuitBreaker
 from erlay.supervisor import telemetry
 from erlay.supervisor.deadline import within
 from erlay.supervisor.errors import CallDeadlineExceeded
+from erlay.supervisor.loopthread import LoopThread
 from erlay.supervisor.progress import Progress
 from erlay.supervisor.tree import ChildRef
 
@@ -147,6 +145,9 @@ class RolloutCoordinator:
         self.base_version = 0
         self.sandbox: SandboxClient | None = None
         self.judge: JudgeClient | None = None
+        self.env: EnvironmentClient | None = None
+        self.validation_env: EnvironmentClient | None = None
+        self.thread: LoopThread | None = None
         self.engines: EnginePool | None = None
         self.journal: Journal | None = job.journal
         self.reported_upto = -1   # metrics.jsonl already holds steps up to this one
@@ -157,6 +158,15 @@ class RolloutCoordinator:
         job.coordinator = self
 
     async def setup(self) -> None:
+        """Start this incarnation's own loop thread and build the clients there."""
+        self.thread = LoopThread(f"erlay-coordinator-{id(self):x}")
+        try:
+            await self.thread.run(self._setup())
+        except BaseException:
+            self.thread.close()
+            raise
+
+    async def _setup(self) -> None:
         self.loop = asyncio.get_running_loop()  # chaos injects tool calls onto this loop
         tree, paths = self.job.tree, self.job.paths
         cfg = self.cfg
@@ -166,29 +176,45 @@ class RolloutCoordinator:
         self.sandbox = SandboxClient(tree, paths.sandbox_hosts, paths.sandbox_workers,
                                      cfg.sandbox.max_attempts,
                                      call_timeout_s=cfg.sandbox.call_timeout_s)
-        # A batch is judged concurrently, each item under judge.timeout_s: the call's
-        # deadline leaves room for the host's queue on top.
-        self.judge = JudgeClient(tree, paths.judge_hosts, paths.judge_workers,
-                                 cfg.judge.retries,
-                                 call_timeout_s=max(30.0, 3 * cfg.judge.timeout_s),
-                                 breaker=BreakerSettings(**cfg.judge.breaker.model_dump()),
-                                 judge_path=cfg.judge.cls, rule=self.job.env.rule)
+        plugins = cfg.plugins
+        rule = RateRule(plugins.window, plugins.max_failure_rate, plugins.min_calls)
+        env_calls = HostCalls(tree, paths.environment_hosts, call_timeout_s=plugins.timeout_s)
+        infos = await EnvironmentClient.describe(env_calls.run)
+        self.env = EnvironmentClient(env_calls.run, cfg.environment.cls, infos["train"],
+                                     timeout_s=plugins.timeout_s, rule=rule)
+        breaker = cfg.judge.breaker
+        judge_calls = HostCalls(tree, paths.judge_hosts, call_timeout_s=cfg.judge.timeout_s,
+                                breaker=lambda: CircuitBreaker(
+                                    breaker.failure_threshold, breaker.cool_down_s,
+                                    window=breaker.window, min_calls=breaker.min_calls,
+                                    open_rate=breaker.open_rate))
+        self.judge = JudgeClient(judge_calls.run, cfg.judge.cls, retries=cfg.judge.retries,
+                                 timeout_s=cfg.judge.timeout_s, rule=rule)
         sampling = SamplingParams(self.cfg.engine.max_new_tokens, self.cfg.engine.temperature,
                                   self.cfg.engine.chunk_tokens, self.cfg.run.seed,
                                   stop=tuple(self.cfg.engine.stop))
-        self.runner = RolloutRunner(self.job.env, self.job.tokenizer, self.engines, self.sandbox,
+        self.runner = RolloutRunner(self.env, self.job.tokenizer, self.engines, self.sandbox,
                                     self.judge, self.sink, sampling, self.job.plan.max_seq_len,
                                     observer=getattr(self.job, "telemetry", None))
         self.runner.batcher.idle_s = 2 * cfg.engine.decode_deadline_s
-        if getattr(self.job, "validation_env", None) is not None:
-            self.validator = Validator(self.job.validation_env, self.runner,
+        if "validation" in infos:
+            self.validation_env = EnvironmentClient(
+                env_calls.run, cfg.environment.cls, infos["validation"], which="validation",
+                timeout_s=plugins.timeout_s, rule=rule)
+            self.validator = Validator(self.validation_env, self.runner,
                                        cfg.data.validation_every, cfg.data.validation_size,
-                                       cfg.run.seed, self.job.validation_rows)
+                                       cfg.run.seed, self.job.env_spec.validation_rows)
         # The driver's heap is set up by now (Ray, torch, the job's objects): frozen, the
         # collector's full passes skip it instead of pausing this event loop, which sees
         # every engine failure and dispatches every resume, for half a second each.
         gc.collect()
         gc.freeze()
+
+    async def stop(self) -> None:
+        """A polite stop: cancel the work on the coordinator's thread and wait for it to
+        end (bounded by :class:`LoopThread`'s cancel wait), then close the thread."""
+        if self.thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.thread.close)
 
     # ------------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -200,8 +226,9 @@ class RolloutCoordinator:
         If the learner domain restarts and restores an older checkpoint, ``train_step``
         says so (``stale_step``) and the loop rewinds to the learner's step; the steps since
         that checkpoint are fed again from the journal, each rollout to the same step."""
+        assert self.thread is not None, "setup() starts the coordinator's thread"
         try:
-            await self._run()
+            await self.thread.run(self._run())
         except PluginFailing as exc:
             # Not a crash to restart from: the user's code is broken, and a restart would
             # fail the same way.  End the job, failed, with the one message that says why.
@@ -212,6 +239,8 @@ class RolloutCoordinator:
             # a crash loop needs, and only this process has it.
             log.exception("rollout coordinator crashed")
             raise
+        finally:
+            await self.stop()
 
     async def _run(self) -> None:
         assert self.runner is not None and self.engines is not None
@@ -366,22 +395,28 @@ class RolloutCoordinator:
         """All rollouts of step ``n``: ``prompts_per_step`` groups of ``group_size``, each
         continued from what the journal holds of it (nothing, for a new one); and the wall
         time window (``time.time()`` at start and end) the step's generation ran in."""
+        started = time.time()
+        # Every group at once: their resets reach the environment hosts in one batch, and
+        # a group whose reset is slow holds up no other.
+        groups = await _all_or_none(self._play_group(n, g)
+                                    for g in range(self.cfg.rollout.prompts_per_step))
+        return [traj for group in groups for traj in group], (started, time.time())
+
+    async def _play_group(self, n: int, g: int) -> list[Trajectory]:
+        """Group ``g`` of step ``n``: its episode's reset, then its rollouts."""
         assert self.runner is not None
         cfg = self.cfg.rollout
-        started = time.time()
+        index = n * cfg.prompts_per_step + g
+        episode: Any
+        try:
+            episode = await self.env.reset(index, self.cfg.run.seed)
+        except UserCodeFailed as exc:  # every rollout of the group fails with it
+            episode = exc.error
         plays = []
-        for g in range(cfg.prompts_per_step):
-            index = n * cfg.prompts_per_step + g
-            episode: Any
-            try:
-                episode = await self.job.env.reset(index, self.cfg.run.seed)
-            except UserCodeFailed as exc:  # every rollout of the group fails with it
-                episode = exc.error
-            for k in range(cfg.group_size):
-                rid = f"r{n:05d}-g{g:03d}-{k}"
-                plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
-        trajectories = await _all_or_none(plays)
-        return list(trajectories), (started, time.time())
+        for k in range(cfg.group_size):
+            rid = f"r{n:05d}-g{g:03d}-{k}"
+            plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
+        return list(await _all_or_none(plays))
 
     def _history(self, rollout_id: str) -> RolloutHistory | None:
         if self.journal is None or self.cfg.supervision.mode == "job_restart":
@@ -432,13 +467,12 @@ class RolloutCoordinator:
         self.progress.begin("warm_start")
         if ws.steps > 0:
             prompts, targets = [], []
-            failed = 0
-            for i in range(ws.examples):
-                try:
-                    episode = await self.job.env.reset(10_000_000 + i, self.cfg.run.seed)
-                    pairs = await self.job.env.demonstration(episode)
-                except UserCodeFailed:  # that demonstration is skipped, and counted
-                    failed += 1
+            # All at once: the environment hosts get them in a few batches.
+            demonstrations = await _all_or_none(self._demonstration(10_000_000 + i)
+                                                 for i in range(ws.examples))
+            failed = sum(pairs is None for pairs in demonstrations)
+            for pairs in demonstrations:
+                if pairs is None:
                     continue
                 for context, target in demonstration_tokens(pairs, self.job.tokenizer):
                     prompts.append(context)
@@ -452,6 +486,15 @@ class RolloutCoordinator:
             self.report({"phase": "warm_start", "demonstrations_failed": failed, **result})
         weights = await self._publish()
         self.base_version = weights.version
+
+    async def _demonstration(self, index: int) -> list[tuple[str, str]] | None:
+        """Episode ``index``'s demonstration; None when the environment failed on it (that
+        demonstration is skipped, and counted)."""
+        try:
+            episode = await self.env.reset(index, self.cfg.run.seed)
+            return await self.env.demonstration(episode)
+        except UserCodeFailed:
+            return None
 
     async def _learner_call(self, method: str, *args: Any, all_ranks: bool = False) -> Any:
         """Call rank 0 (or every rank with the same arguments, as data-parallel steps need),
@@ -520,9 +563,13 @@ class RolloutCoordinator:
             version, (ref,) = await self._learner_call("publish")
             span.set_attribute("erlay.policy_version", int(version))
             # The learner owns the object it put; re-put it from the driver so engines
-            # admitted after a learner restart can still load it.
-            weights = Weights(version, ray.put(await within(
-                ref, self.cfg.learner.call_timeout_s, "learner weights")))
+            # admitted after a learner restart can still load it.  The put copies the
+            # weights into the object store: on a thread, under a deadline, so a full store
+            # fails the publication instead of stalling this loop.
+            deadline = self.cfg.learner.call_timeout_s
+            state = await within(ref, deadline, "learner weights")
+            weights = Weights(version, await within(asyncio.to_thread(ray.put, state),
+                                                    deadline, "re-put of the weights"))
             await self.engines.publish(weights)
         return weights
 

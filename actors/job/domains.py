@@ -8,8 +8,9 @@ failover or a marked result, never a crash of the coordinator:
   only after it has loaded the current weights.
 - :class:`SandboxClient` runs a tool call under its idempotency key on a sandbox worker,
   retrying on another worker (or the restarted one) when the worker or its host dies.
-- :class:`JudgeClient` scores within a retry budget, behind one circuit breaker per judge
-  worker; past the budget the sample is marked with the reason.
+- the environment's and the judge's clients live beside these
+  (:mod:`~erlay.actors.job.env_client`, :mod:`~erlay.actors.job.judge_client`): they reach
+  worker processes of their hosts through :mod:`~erlay.actors.job.hostcalls`.
 
 Every call into another domain carries a deadline (:mod:`erlay.supervisor.deadline`): a
 child that does not answer fails the call, which is retried elsewhere or marked, while the
@@ -22,14 +23,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from erlay.actors.engine.api import EngineFailed
-from erlay.actors.job.plugins import FailureWindow, PluginFailing, RateRule, UserError
 from erlay.supervisor.deadline import stream_within, within
 from erlay.supervisor.errors import CallDeadlineExceeded, ChildNotRunning
 from erlay.supervisor.tree import ChildRef, SupervisionTree
@@ -52,7 +51,7 @@ CHILD_GONE = (ChildNotRunning, RayActorError, CallDeadlineExceeded)
 ENGINE_GONE = (*CHILD_GONE, EngineFailed)
 
 
-async def _wait_for_any(refs: list[ChildRef], timeout_s: float) -> list[ChildRef]:
+async def wait_for_any(refs: list[ChildRef], timeout_s: float) -> list[ChildRef]:
     """Running children among ``refs``, waiting up to ``timeout_s`` for at least one."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -107,7 +106,7 @@ class EnginePool:
         failover never waits on a restart when there is somewhere else to go."""
         deadline = time.monotonic() + timeout_s
         while True:
-            running = await _wait_for_any(self.refs, max(0.0, deadline - time.monotonic()))
+            running = await wait_for_any(self.refs, max(0.0, deadline - time.monotonic()))
             admitted, pending = [], []
             for ref in running:
                 try:
@@ -198,7 +197,7 @@ class EnginePool:
         """Make every running engine serve ``weights``; engines that are down load them on
         admission.  Returns once every reachable engine reports the version."""
         self.weights = weights
-        running = await _wait_for_any(self.refs, 0)
+        running = await wait_for_any(self.refs, 0)
 
         async def push(ref: ChildRef) -> None:
             try:
@@ -296,8 +295,26 @@ class EngineBatcher:
             queue.put_nowait(ChildNotRunning(f"{engine.path} ended the stream early"))
 
 
+# A tool call's host died (the actor is gone) or froze (no answer by the deadline) while the
+# call was in it: what a tool call that kills its sandbox would do.
+DIED_UNDER_CALL = (RayActorError, CallDeadlineExceeded)
+
+
+def _result(key: str, outcome: str, detail: str) -> dict[str, Any]:
+    """A SandboxResult dict for a run the client decided about without a result."""
+    return {"key": key, "outcome": outcome, "exit_code": None, "signal": None,
+            "stdout": "", "stderr": "", "stdout_truncated": False, "stderr_truncated": False,
+            "wall_s": 0.0, "isolation": "none", "detail": detail}
+
+
 class SandboxClient:
-    """Runs tool calls on the sandbox workers of every node's sandbox host."""
+    """Runs tool calls on the sandbox workers of every node's sandbox host.
+
+    Poison: a tool call whose host died or froze under it twice is not run again; its result
+    is outcome ``poison`` (the environment observes a failed tool call), and ``poisoned``
+    counts such calls.  Every call in flight on a host that dies shares that death, so an
+    innocent call that was on the same host as a poison one both times is called poison too;
+    that takes two deaths in a row on the same host, each already a restart."""
 
     def __init__(self, tree: SupervisionTree, hosts: list[str], workers: list[str],
                  max_attempts: int, call_timeout_s: float = 60.0) -> None:
@@ -306,17 +323,20 @@ class SandboxClient:
         self.max_attempts = max_attempts
         self.call_timeout_s = call_timeout_s
         self.calls = 0
+        self.poisoned = 0
         self._next = itertools.count()
 
     async def execute(self, key: str, code: str,
                       trace: dict[str, str] | None = None) -> dict[str, Any]:
         """The sandbox result dict for ``code`` (see sandbox.SandboxResult).  After
-        ``max_attempts`` infrastructure failures, a synthetic ``spawn_failed`` result.
-        ``trace`` is the caller's trace context, for the host's span."""
+        ``max_attempts`` infrastructure failures, a synthetic ``spawn_failed`` result; after
+        two deaths of its host under it, a ``poison`` one.  ``trace`` is the caller's trace
+        context, for the host's span."""
         request = {"key": key, "code": code, "stdin": "", "timeout_s": None}
         last = ""
+        deaths = 0
         for _ in range(self.max_attempts):
-            hosts = await _wait_for_any(self.hosts, 60.0)
+            hosts = await wait_for_any(self.hosts, 60.0)
             if not hosts:
                 last = "no sandbox host is running"
                 continue
@@ -337,166 +357,12 @@ class SandboxClient:
             except (*CHILD_GONE, RayTaskError) as exc:
                 last = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 log.warning("tool call %s failed on %s/%s: %s", key, host.path, worker, last)
+                deaths += isinstance(exc, DIED_UNDER_CALL) \
+                    and not isinstance(exc, ActorUnavailableError)
+                if deaths >= 2:
+                    self.poisoned += 1
+                    return _result(key, "poison", f"its sandbox host died under it twice "
+                                   f"(last: {last}); not run again")
                 await asyncio.sleep(0.05)
-        return {"key": key, "outcome": "spawn_failed", "exit_code": None, "signal": None,
-                "stdout": "", "stderr": "", "stdout_truncated": False,
-                "stderr_truncated": False, "wall_s": 0.0, "isolation": "none",
-                "detail": f"sandbox unavailable after {self.max_attempts} attempts: {last}"}
-
-
-@dataclass(frozen=True)
-class BreakerSettings:
-    """A judge worker's circuit breaker (see :class:`erlay.judges.budget.CircuitBreaker`)."""
-
-    failure_threshold: int = 10
-    cool_down_s: float = 5.0
-    window: int = 20
-    min_calls: int = 10
-    open_rate: float = 0.5
-
-
-class JudgeClient:
-    """Scores through the judge workers with a retry budget and one breaker per worker.
-
-    Judgements requested in the same event-loop turn for the same worker travel as one
-    ``score_many`` call.  A failed attempt is retried on another worker when there is one;
-    a worker whose breaker is open gets no work until its cool-down ends, while the others
-    keep judging.  Past the budget the judgement is ``ok=False`` with the last reason and its
-    ``kind``.  Judge failures that are the judge's own (a timeout, an exception, a bad
-    return) also count against the judge class's failure rate
-    (:class:`~erlay.actors.job.plugins.FailureWindow`): a judge that keeps failing raises
-    :class:`~erlay.actors.job.plugins.PluginFailing`, which stops the job.
-    """
-
-    def __init__(self, tree: SupervisionTree, hosts: list[str], workers: list[str],
-                 retries: int, clock: Callable[[], float] = time.monotonic, *,
-                 call_timeout_s: float = 30.0, breaker: BreakerSettings = BreakerSettings(),
-                 judge_path: str = "judge", rule: RateRule = RateRule()) -> None:
-        self.hosts = [tree.ref(p) for p in hosts]
-        self.workers = workers
-        self.retries = retries
-        self.clock = clock
-        self.call_timeout_s = call_timeout_s
-        self.breaker_settings = breaker
-        self.breakers: dict[tuple[str, str], Any] = {}
-        self.judge_path = judge_path
-        self.window = FailureWindow(rule)
-        self.failures = 0
-        self.calls = 0
-        self._next = itertools.count()
-        self._waiting: dict[tuple[str, str], tuple[ChildRef, list[
-            tuple[tuple[Any, ...], asyncio.Future[dict[str, Any]]]]]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def breaker(self, target: tuple[str, str]) -> Any:
-        from erlay.judges.budget import CircuitBreaker
-        breaker = self.breakers.get(target)
-        if breaker is None:
-            b = self.breaker_settings
-            breaker = self.breakers[target] = CircuitBreaker(
-                b.failure_threshold, b.cool_down_s, window=b.window, min_calls=b.min_calls,
-                open_rate=b.open_rate)
-        return breaker
-
-    async def score(self, key: str, judge_input: str, answer: str,
-                    trace: dict[str, str] | None = None) -> dict[str, Any]:
-        """A Judgement dict; ``ok=False`` with the reason and kind once the budget is spent.
-        ``trace`` is the caller's trace context, for the judge host's span."""
-        last, kind = "", "unavailable"
-        tried: set[tuple[str, str]] = set()
-        attempts = 0
-        for _ in range(self.retries + 1):
-            picked = await self._pick(tried)
-            if picked is None:
-                last, kind = "every judge worker's circuit is open", "unavailable"
-                break
-            host, target = picked
-            attempts += 1
-            breaker = self.breaker(target)
-            try:
-                result = await self._attempt(host, target, (judge_input, answer, key, trace))
-            except (*CHILD_GONE, RayTaskError) as exc:
-                last, kind = f"{target[0]}/{target[1]}: {type(exc).__name__}", "unavailable"
-                breaker.record_failure(self.clock())
-                tried.add(target)
-                continue
-            if result.get("ok", False):
-                breaker.record_success(self.clock())
-                self._account(None)
-                return result
-            last, kind = result.get("reason", "judge failed"), result.get("kind", "undecided")
-            breaker.record_failure(self.clock())
-            tried.add(target)
-        self.failures += 1
-        self._account(kind, last)
-        return {"reward": 0.0, "ok": False, "kind": kind,
-                "reason": f"judge failed after {attempts} attempt(s): {last}"}
-
-    def _account(self, kind: str | None, reason: str = "") -> None:
-        """Feed the judge class's failure window: only its own failures count."""
-        from erlay.judges.base import USER_ERROR_KINDS
-        error = None
-        if kind in USER_ERROR_KINDS:
-            error = UserError(self.judge_path, "score", kind, reason)  # type: ignore[arg-type]
-        elif kind is not None:
-            return  # an infrastructure failure says nothing about the judge's code
-        if self.window.record(error):
-            failed, calls = self.window.counts()
-            raise PluginFailing(self.window.first_failure or error, failed, calls)  # type: ignore[arg-type]
-
-    async def _pick(self, tried: set[tuple[str, str]]
-                    ) -> tuple[ChildRef, tuple[str, str]] | None:
-        """A running worker whose breaker admits a call, preferring one not yet tried; when
-        every breaker is open, wait (at most one cool-down) for one to half-open."""
-        deadline = self.clock() + self.breaker_settings.cool_down_s + 1.0
-        while True:
-            hosts = await _wait_for_any(self.hosts, 30.0)
-            if not hosts:
-                raise ChildNotRunning("no judge host is running")
-            n = next(self._next)
-            candidates = [(h, (h.path, w)) for h in hosts for w in self.workers]
-            candidates = candidates[n % len(candidates):] + candidates[:n % len(candidates)]
-            for fresh_only in (True, False):
-                for host, target in candidates:
-                    if fresh_only and target in tried:
-                        continue
-                    if self.breaker(target).allow(self.clock()):
-                        return host, target
-            if self.clock() > deadline:
-                return None
-            await asyncio.sleep(0.1)
-
-    async def _attempt(self, host: ChildRef, target: tuple[str, str],
-                       item: tuple[Any, ...]) -> dict[str, Any]:
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        entry = self._waiting.get(target)
-        if entry is None:
-            entry = self._waiting[target] = (host, [])
-            asyncio.get_running_loop().call_soon(self._flush, target)
-        entry[1].append((item, future))
-        return await future
-
-    def _flush(self, target: tuple[str, str]) -> None:
-        host, batch = self._waiting.pop(target)
-        task = asyncio.create_task(self._send(host, target[1], batch), name="judge-score-many")
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, host: ChildRef, worker: str,
-                    batch: list[tuple[tuple[Any, ...],
-                                      asyncio.Future[dict[str, Any]]]]) -> None:
-        try:
-            self.calls += 1
-            results = await within(host.actor.call.remote(worker, "score_many",
-                                                          ([item for item, _ in batch],)),
-                                   self.call_timeout_s, f"{host.path}/{worker}.score_many")
-        except BaseException as exc:  # each waiting judgement must hear of it
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        for (_, future), result in zip(batch, results, strict=True):
-            if not future.done():
-                future.set_result(result)
+        return _result(key, "spawn_failed",
+                       f"sandbox unavailable after {self.max_attempts} attempts: {last}")

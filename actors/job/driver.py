@@ -4,8 +4,15 @@
     ├── learner                one_for_all   learner-0..R-1    actor children
     ├── generation             one_for_one   engine-0..E-1     actor children
     ├── sandbox                one_for_one   host@node-i       one host per node, N workers
-    ├── judge                  one_for_one   host@node-i       one host per node, N workers
+    ├── judge                  one_for_one   host@node-i       one host per node, N worker
+    │                                                          processes (the judge's code)
+    ├── environment            one_for_one   host@node-i       one host per node, N worker
+    │                                                          processes (the environment)
     └── rollout                rest_for_one  coordinator       in-process, significant
+
+No user code runs in the driver: the environment and the judge run in worker processes of
+their hosts (:mod:`erlay.supervisor.worker_process`), one call at a time, each call under a
+deadline, so a call that freezes its process costs that worker and that sample.
 
 The coordinator is a transient significant child of ``rollout``, which is a transient
 significant child of the root: when training finishes the coordinator returns, and OTP's
@@ -25,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
+from erlay.actors.job.env_worker import EnvironmentSpec
 from erlay.actors.job.modelplan import plan_model
 from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
-from erlay.actors.job.plugins import GuardedEnvironment, RateRule
-from erlay.actors.job.validation import job_environments
+from erlay.actors.job.validation import environment_spec
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
 from erlay.actors.observe.telemetry import JobTelemetry
@@ -46,6 +53,7 @@ from erlay.supervisor.spec import (
     Liveness,
     SupervisorFlags,
     SupervisorStart,
+    WorkerStart,
 )
 from erlay.supervisor.tree import SupervisionTree
 
@@ -62,7 +70,7 @@ class DomainPaths:
     sandbox_hosts: list[str]
     sandbox_workers: list[str]
     judge_hosts: list[str]
-    judge_workers: list[str]
+    environment_hosts: list[str]
 
 
 @dataclass
@@ -158,17 +166,9 @@ class Job:
         self.run_dir = run_dir
         self.plan = plan_model(cfg)
         self.tokenizer = self.plan.tokenizer
-        plugins = cfg.plugins
-        envs = job_environments(cfg)   # with data.train: environments on the dataset's rows
-        self.env = GuardedEnvironment(
-            envs.train, cfg.environment.cls, timeout_s=plugins.timeout_s,
-            rule=RateRule(plugins.window, plugins.max_failure_rate, plugins.min_calls))
-        self.validation_env: GuardedEnvironment | None = None   # data.validation's
-        self.validation_rows = envs.validation_rows
-        if envs.validation is not None:
-            self.validation_env = GuardedEnvironment(
-                envs.validation, cfg.environment.cls, timeout_s=plugins.timeout_s,
-                rule=RateRule(plugins.window, plugins.max_failure_rate, plugins.min_calls))
+        # What the environment workers build (the dataset's rows included); nothing of the
+        # user's is built or called in this process.
+        self.env_spec: EnvironmentSpec = environment_spec(cfg)
         self.abort_reason: str | None = None   # set when the job must stop, failed
         self.completed_steps: int | None = None   # the coordinator's, when training ends
         self.journal: Journal | None = None
@@ -310,16 +310,14 @@ class Job:
                                    instances=tuple((i * workers + s,) for s in range(workers)),
                                    options=opts, env=declared, boot_ahead=sup.boot_ahead)
                          for i, node in enumerate(nodes)]
-        judge_pool = SupervisorFlags("simple_one_for_one", intensity=sup.judge.intensity,
-                                     period=sup.judge.period)
-        judge_template = ChildSpec("judge", InProcessStart(
-            "erlay.judges.worker:JudgeWorker", args=(cfg.judge.cls, dict(cfg.judge.kwargs),
-                                               cfg.judge.timeout_s)),
-            deadlines={"judge_call": cfg.judge.timeout_s * 3})
-        judge_hosts = [host_spec(f"node-{i}", judge_pool, (judge_template,), node_id=node,
-                                 instances=tuple(() for _ in range(cfg.judge.workers_per_node)),
-                                 options=opts, env=declared, boot_ahead=sup.boot_ahead)
-                       for i, node in enumerate(nodes)]
+        judge_hosts = self._worker_hosts(nodes, "judge", WorkerStart(
+            "erlay.judges.server:JudgeServer", args=(cfg.judge.cls, dict(cfg.judge.kwargs)),
+            call_timeout_s=cfg.judge.timeout_s, ready_timeout_s=cfg.plugins.build_timeout_s),
+            cfg.judge.workers_per_node, opts, declared)
+        env_hosts = self._worker_hosts(nodes, "environment", WorkerStart(
+            "erlay.actors.job.env_worker:EnvironmentServer", args=(self.env_spec,),
+            call_timeout_s=cfg.plugins.timeout_s, ready_timeout_s=cfg.plugins.build_timeout_s),
+            cfg.environment.workers_per_node, opts, declared)
         coordinator = ChildSpec("coordinator", InProcessStart(RolloutCoordinator, args=(self,)),
                                 restart="transient", significant=True, shutdown=30.0)
 
@@ -330,7 +328,7 @@ class Job:
 
         root_flags = _flags("one_for_one", sup.root, auto_shutdown="any_significant")
         flags = {d: getattr(sup, d) for d in ("learner", "generation", "sandbox", "judge",
-                                             "rollout")}
+                                             "environment", "rollout")}
         if sup.mode == "job_restart":
             # The baseline recovery mode of the root: no domain may restart anything (intensity
             # 0 escalates at the first failure), and the root answers any escalation by
@@ -349,6 +347,8 @@ class Job:
                    _live(sandbox_hosts, flags["sandbox"])),
             domain("judge", _flags("one_for_one", flags["judge"]),
                    _live(judge_hosts, flags["judge"])),
+            domain("environment", _flags("one_for_one", flags["environment"]),
+                   _live(env_hosts, flags["environment"])),
             domain("rollout", _flags("rest_for_one", flags["rollout"],
                                      auto_shutdown="any_significant"), [coordinator],
                    restart="transient", significant=True),
@@ -359,9 +359,25 @@ class Job:
             sandbox_hosts=[f"{ROOT}/sandbox/{h.id}" for h in sandbox_hosts],
             sandbox_workers=[f"sandbox-{i + 1}" for i in range(cfg.sandbox.workers_per_node)],
             judge_hosts=[f"{ROOT}/judge/{h.id}" for h in judge_hosts],
-            judge_workers=[f"judge-{i + 1}" for i in range(cfg.judge.workers_per_node)])
+            environment_hosts=[f"{ROOT}/environment/{h.id}" for h in env_hosts])
         self.tree = SupervisionTree(ROOT, root_flags, children, sink=self.events)
         return self.tree
+
+    def _worker_hosts(self, nodes: list[str], domain: str, start: WorkerStart, workers: int,
+                      opts: dict[str, Any], declared: dict[str, str]) -> list[ChildSpec]:
+        """One host per node for a domain of worker processes (the judge, the
+        environment): a simple_one_for_one pool of ``workers`` worker processes each.  Its
+        flags are the domain's: a process replaced after a call it froze or killed counts
+        toward no intensity (see :mod:`erlay.supervisor.worker_process`); a worker that
+        cannot start, or fails for its own reasons, does."""
+        flags = getattr(self.cfg.supervision, domain)
+        pool = SupervisorFlags("simple_one_for_one", intensity=flags.intensity,
+                               period=flags.period)
+        template = ChildSpec(domain, start, shutdown=5.0)
+        return [host_spec(f"node-{i}", pool, (template,), node_id=node,
+                          instances=tuple(() for _ in range(workers)), options=opts,
+                          env=declared, boot_ahead=self.cfg.supervision.boot_ahead)
+                for i, node in enumerate(nodes)]
 
     def tool_deadline(self) -> float:
         wall = float(self.cfg.sandbox.limits.get("wall_timeout_s", 5.0))
@@ -477,9 +493,6 @@ class Job:
                     f"{self.run_dir.path}`\n")
 
     def _close(self) -> None:
-        self.env.close()
-        if self.validation_env is not None:
-            self.validation_env.close()
         self.telemetry.close()
         self._jsonl.close()
         if self.journal is not None:

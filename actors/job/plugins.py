@@ -1,22 +1,26 @@
-"""User code as a fault domain of its own: environments (and the rate rule for judges).
+"""User code as a fault domain of its own: what a call into a plug-in may end in, and the
+rule that stops a plug-in that keeps failing.
 
-An environment is the user's code, and user code raises, hangs and returns garbage.  Each of
-those fails the one sample it was called for, never the coordinator or the job:
+User code raises, hangs, returns garbage and kills its process.  Each of those fails the one
+sample it was called for, never the coordinator or the job.  The code runs in worker
+processes of the per-node hosts (:mod:`erlay.supervisor.worker_process`; the environment's
+in :mod:`~erlay.actors.job.env_worker`, the judge's in :mod:`erlay.judges.server`), never in
+the driver, so a call that freezes its process (a C call holding the GIL) costs that worker,
+found by its deadline.  A failure is a :class:`UserError`, the typed reason the journal and
+the report show:
 
-- every call (``reset``, ``step``, ``observe``, ``demonstration``) runs on one of the
-  guard's worker threads under a deadline, so a hang (a deadlock, an endless loop, a
-  blocking read) costs that call ``timeout_s`` and nothing else: its thread is left behind
-  (a thread cannot be killed) and a new one takes its place.  Calls may run concurrently,
-  which the environment contract allows (environments are pure);
-- what comes back is type-checked: ``reset`` returns an Episode, ``step`` an
-  ``(Episode, StepResult)`` pair, ``observe`` an ``(Episode, str)`` pair;
-- a failure becomes a :class:`UserCodeFailed` carrying a :class:`UserError`, the typed reason
-  the journal and the report show: ``timeout`` for a hang, ``bad_return`` naming the type
-  that came back, ``exception`` with the exception's class and message.
+- ``exception``: the call raised (:func:`run_checked` keeps the class, message, traceback);
+- ``bad_return``: it returned the wrong type, or a value that cannot be sent back
+  (``reset`` returns an Episode, ``step`` an ``(Episode, StepResult)`` pair, ``observe`` an
+  ``(Episode, str)`` pair, ``demonstration`` a list of ``(str, str)`` pairs);
+- ``timeout``: no answer within the deadline; its worker process was killed and replaced;
+- ``poison``: the call killed its worker process twice (its first death may have been the
+  machine's doing, so it is tried once more; a second is the input's), and is not tried
+  again.
 
 A plug-in that keeps failing is a bug to fix, not noise to absorb: :class:`FailureWindow`
 watches each (class, method) over its last ``window`` calls, and once at least
-``min_calls`` were made and more than ``max_rate`` of the window failed, the guard raises
+``min_calls`` were made and more than ``max_rate`` of the window failed, the caller raises
 :class:`PluginFailing`, and the job stops cleanly with one message that names the class, the
 method and the first traceback.  The defaults never stop a plug-in that fails 15-20% of
 calls at random (the chance that 30 of 40 such calls fail is below 1e-11), and stop one that
@@ -27,10 +31,8 @@ May import: erlay.supervisor, erlay.environments.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
+import pickle
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -43,7 +45,7 @@ from erlay.supervisor.failpoints import failpoint
 
 log = logging.getLogger("erlay.plugins")
 
-Kind = Literal["exception", "timeout", "bad_return"]
+Kind = Literal["exception", "timeout", "bad_return", "poison"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class UserError:
 
     plugin: str          # the class path, e.g. "mypkg.envs:MyEnv"
     method: str          # "step"
-    kind: Kind
+    kind: Kind           # poison: the call killed its worker process twice
     detail: str          # "ValueError: boom" | "no answer within 10 s" | "returned NoneType..."
     traceback: str = ""  # for kind "exception"
 
@@ -142,136 +144,39 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-class _Workers:
-    """Threads that run user calls.  A call that hangs keeps its thread; :meth:`replace`
-    starts another, so the others are never stuck behind it.  No call is ever cancelled
-    from here: a caller that gives up just stops waiting."""
+@dataclass(frozen=True)
+class PluginReply:
+    """What one call into user code gave, as a worker process sends it back: the value, or
+    the :class:`UserError` it failed with (never both)."""
 
-    def __init__(self, size: int) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        for _ in range(size):
-            self.replace()
-
-    def replace(self) -> None:
-        thread = threading.Thread(target=self._serve, daemon=True,
-                                  name=f"erlay-plugin-{len(self._threads)}")
-        thread.start()
-        self._threads.append(thread)
-
-    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._jobs.put((loop, future, fn, args))
-        return future
-
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            loop, future, fn, args = job
-            if future.cancelled():  # its caller gave up before it started
-                continue
-            try:
-                outcome: tuple[bool, Any] = (True, _traced(fn, args))
-            except _Raised as exc:
-                outcome = (False, exc)
-            try:
-                loop.call_soon_threadsafe(_settle, future, outcome)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                return
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+    value: Any = None
+    error: UserError | None = None
 
 
-def _settle(future: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
-    if future.done():
-        return
-    ok, value = outcome
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
-
-
-class GuardedEnvironment:
-    """An environment's methods as awaitables that fail the sample, not the caller.
-
-    ``name`` and ``max_turns`` are read once, at construction.  Calls run on ``threads``
-    worker threads; a call past ``timeout_s`` leaves its thread behind and a new one
-    replaces it (``abandoned_threads`` counts them).
-    """
-
-    def __init__(self, env: Any, plugin: str, *, timeout_s: float = 10.0,
-                 rule: RateRule = RateRule(), threads: int = 4) -> None:
-        self.env = env
-        self.plugin = plugin
-        self.name = str(getattr(env, "name", plugin))
-        self.max_turns = int(env.max_turns)
-        self.timeout_s = timeout_s
-        self.rule = rule
-        self.windows: dict[str, FailureWindow] = {}
-        self.abandoned_threads = 0
-        self._warned: set[tuple[str, str]] = set()
-        self._workers = _Workers(threads)
-
-    async def call(self, method: str, *args: Any) -> Any:
-        """``env.<method>(*args)``, checked.  Raises UserCodeFailed for this call's failure,
-        PluginFailing once the method's failure rate says the plug-in is broken."""
-        error: UserError | None = None
-        value: Any = None
-        future = self._workers.submit(getattr(self.env, method), args)
-        try:
-            value = await asyncio.wait_for(future, self.timeout_s)
-        except TimeoutError:
-            error = UserError(self.plugin, method, "timeout",
-                              f"no answer within {self.timeout_s:g} s")
-            self.abandoned_threads += 1
-            self._workers.replace()
-        except _Raised as exc:
-            error = UserError(self.plugin, method, "exception", exc.summary, exc.text)
-        else:
-            check, expected = RETURNS[method]
-            if not check(value):
-                error = UserError(self.plugin, method, "bad_return",
-                                  f"returned {_type_name(value)}, expected {expected}")
-        window = self.windows.setdefault(method, FailureWindow(self.rule))
-        if window.record(error):
-            failed, calls = window.counts()
-            raise PluginFailing(window.first_failure or error, failed, calls)  # type: ignore[arg-type]
-        if error is not None:
-            # The first failure of each kind is worth a warning with its traceback; the rest
-            # are counted (the step's user_errors) and logged at debug level only, so a
-            # plug-in failing 15% of a long job's calls does not flood the log.
-            first = (method, error.kind) not in self._warned
-            self._warned.add((method, error.kind))
-            log.log(logging.WARNING if first else logging.DEBUG, "%s%s", error.reason,
-                    f"\n{error.traceback}" if first and error.traceback else "")
-            raise UserCodeFailed(error)
-        return value
-
-    async def reset(self, index: int, seed: int) -> Episode:
-        return await self.call("reset", index, seed)  # type: ignore[no-any-return]
-
-    async def step(self, episode: Episode, completion: str) -> tuple[Episode, StepResult]:
-        return await self.call("step", episode, completion)  # type: ignore[no-any-return]
-
-    async def observe(self, episode: Episode, tool_output: str,
-                      ok: bool = True) -> tuple[Episode, str]:
-        return await self.call("observe", episode, tool_output, ok)  # type: ignore[no-any-return]
-
-    async def demonstration(self, episode: Episode) -> list[tuple[str, str]]:
-        return await self.call("demonstration", episode)  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        self._workers.close()
+def run_checked(obj: Any, plugin: str, method: str, args: tuple[Any, ...]) -> PluginReply:
+    """``obj.<method>(*args)`` as user code: an exception is a ``exception`` failure with its
+    traceback, a value of the wrong type (or one that cannot be pickled back) a
+    ``bad_return``.  Runs inside a worker process, on its main thread; a hang or a crash is
+    its host's to find (``timeout``, ``poison``)."""
+    try:
+        value = _traced(getattr(obj, method), args)
+    except _Raised as exc:
+        return PluginReply(error=UserError(plugin, method, "exception", exc.summary, exc.text))
+    check, expected = RETURNS[method]
+    if not check(value):
+        return PluginReply(error=UserError(plugin, method, "bad_return",
+                                           f"returned {_type_name(value)}, expected {expected}"))
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - user data: any pickling error is a bad return
+        return PluginReply(error=UserError(plugin, method, "bad_return",
+                                           f"returned a value that cannot be sent back "
+                                           f"({type(exc).__name__}: {exc})"[:300]))
+    return PluginReply(value)
 
 
 class _Raised(Exception):
-    """What user code raised, carried out of the worker thread with its traceback."""
+    """What user code raised, with its traceback."""
 
     def __init__(self, exc: BaseException) -> None:
         self.summary = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]

@@ -7,10 +7,11 @@ already received (``prefix_ids``), so nothing generated is lost and, with the to
 (seed, position) sampling, the continuation is the one the dead engine would have produced.
 
 Malformed model output never raises: the environment turns it into an error observation or
-a zero reward with a recorded ``failure``.  The environment itself is user code, called
-through a :class:`~erlay.actors.job.plugins.GuardedEnvironment`: when it raises, hangs or
-returns garbage, that rollout alone fails with a typed ``user_error`` on its COMPLETED
-record, and is consumed by its step with weight 0 (``valid`` is False).
+a zero reward with a recorded ``failure``.  The environment itself is user code, run in the
+environment hosts' worker processes and called through an
+:class:`~erlay.actors.job.env_client.EnvironmentClient`: when it raises, hangs, returns
+garbage or kills its worker twice, that rollout alone fails with a typed ``user_error`` on its
+COMPLETED record, and is consumed by its step with weight 0 (``valid`` is False).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from erlay.actors.job.domains import (
     EngineBatcher,
     EnginePool,
     EngineRequestFailed,
-    JudgeClient,
     SandboxClient,
     engine_failed_at,
 )
-from erlay.actors.job.plugins import GuardedEnvironment, UserCodeFailed, UserError
+from erlay.actors.job.env_client import EnvironmentClient
+from erlay.actors.job.judge_client import JudgeClient
+from erlay.actors.job.plugins import UserCodeFailed, UserError
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.model.sampling import rollout_seed
 from erlay.actors.model.tokens import Tokenizer, stop_at, stop_cut
@@ -68,6 +70,8 @@ class Trajectory:
     failure: str | None = None
     user_error: dict[str, str] | None = None                # the plug-in's typed failure
     judge_reason: str = ""
+    judge_kind: str = ""                                    # a failed judgement's kind
+    poison: int = 0                                         # poison inputs it met
     tool_calls: int = 0
     turns: int = 0
     generated_tokens: int = 0
@@ -89,6 +93,7 @@ class Trajectory:
         """Mark the sample failed by user code: one masked EOS stands in for its completion,
         so every failed sample has the same shape however far it got."""
         self.user_error = error.to_dict()
+        self.poison += error.kind == "poison"
         self.failure = error.reason
         self.reward = 0.0
         self.completion_ids, self.logprobs, self.versions = [eos_id], [0.0], [-1]
@@ -203,15 +208,15 @@ class RolloutRunner:
     host add their own spans under those, from the trace context sent with each request.
     """
 
-    def __init__(self, env: GuardedEnvironment, tokenizer: Tokenizer, engines: EnginePool,
+    def __init__(self, env: EnvironmentClient, tokenizer: Tokenizer, engines: EnginePool,
                  sandbox: SandboxClient, judge: JudgeClient, sink: TransitionSink,
                  sampling: SamplingParams, max_seq_len: int,
                  observer: RolloutObserver | None = None) -> None:
         self.env = env
         self.tok = tokenizer
-        # The environment's tool schemas for the chat template, read from the environment
-        # itself (the guard wraps it), as preflight reads them when it measures prompts.
-        self.tools = getattr(getattr(env, "env", env), "tools", None)
+        # The environment's tool schemas for the chat template, as its workers described
+        # them (preflight reads the same attribute when it measures prompts).
+        self.tools = env.tools
         self.engines = engines
         self.sandbox = sandbox
         self.judge = judge
@@ -349,7 +354,7 @@ class RolloutRunner:
                 if result.done or result.tool_call is None:
                     break
                 traj.tool_calls += 1
-                episode, obs_text = await self._tool(rollout_id, traj.tool_calls - 1,
+                episode, obs_text = await self._tool(traj, traj.tool_calls - 1,
                                                      result.tool_call.code, episode, history)
             except UserCodeFailed as exc:
                 traj.fail(exc.error, self.tok.eos_id)
@@ -494,8 +499,9 @@ class RolloutRunner:
         except Exception as exc:  # noqa: BLE001 - gone or refusing: the stream tells
             log.debug("abort of %s on %s failed: %s", request_id, engine.path, exc)
 
-    async def _tool(self, rollout_id: str, n: int, code: str, episode: Episode,
+    async def _tool(self, traj: Trajectory, n: int, code: str, episode: Episode,
                     history: RolloutHistory) -> tuple[Episode, str]:
+        rollout_id = traj.rollout_id
         key = f"{rollout_id}/tool{n}"
         result = history.tool_results.get(key)
         if result is None:  # never journaled: run it (again, if only the call was journaled)
@@ -510,6 +516,7 @@ class RolloutRunner:
                 self.observer.sandbox_outcome(str(result.get("outcome")))
         else:
             self.tool_results_reused += 1
+        traj.poison += result.get("outcome") == "poison"
         text, ok = tool_output_from_result(result)
         return await self.env.observe(episode, text, ok)
 
@@ -540,3 +547,5 @@ class RolloutRunner:
         traj.reward = float(judgement.get("reward", 0.0))
         traj.judged_ok = bool(judgement.get("ok", False))
         traj.judge_reason = str(judgement.get("reason", ""))
+        traj.judge_kind = str(judgement.get("kind", ""))
+        traj.poison += traj.judge_kind == "poison"

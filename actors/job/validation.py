@@ -28,44 +28,36 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from erlay.actors.config import JobConfig
 from erlay.actors.data.rows import environment_kwargs, load_rows
+from erlay.actors.job.env_worker import EnvironmentSpec
 from erlay.actors.job.plugins import PluginFailing, UserCodeFailed
 from erlay.actors.journal.transitions import NullTransitions
-from erlay.environments.base import load_environment
 
 if TYPE_CHECKING:
+    from erlay.actors.job.env_client import EnvironmentClient
     from erlay.actors.job.rollout import RolloutRunner, Trajectory
 
 log = logging.getLogger("erlay.validation")
 
 
-@dataclass(frozen=True)
-class JobEnvironments:
-    train: Any                  # the environment the job trains on
-    validation: Any = None      # the one it validates on (None: no validation)
-    validation_rows: int = 0    # how many rows the validation environment holds
-
-
-def job_environments(cfg: JobConfig) -> JobEnvironments:
-    """The job's training environment and its validation environment (None unless
-    ``data.validation_every`` is on).  With ``data.train`` both are built on the dataset's
-    rows (:func:`~erlay.actors.data.rows.environment_kwargs`); ``erlay run`` has checked
-    them already (preflight), so this only loads and builds."""
+def environment_spec(cfg: JobConfig) -> EnvironmentSpec:
+    """How the environment workers build the job's environments: the training one and,
+    with ``data.validation_every``, the validation one.  With ``data.train`` both are built
+    on the dataset's rows (:func:`~erlay.actors.data.rows.environment_kwargs`), which are
+    loaded here, in the driver, before the tree starts; ``erlay run`` has checked them
+    already (preflight).  Nothing is built here: no user code runs in the driver."""
     kwargs = dict(cfg.environment.kwargs)
     if cfg.data.train is None:
-        return JobEnvironments(load_environment(cfg.environment.cls, **kwargs))
-    train = load_environment(cfg.environment.cls, **environment_kwargs(
-        cfg.data, kwargs, load_rows(cfg.data, "train")))
+        return EnvironmentSpec(cfg.environment.cls, kwargs)
+    train = environment_kwargs(cfg.data, kwargs, load_rows(cfg.data, "train"))
     if cfg.data.validation is None or not cfg.data.validation_every:
-        return JobEnvironments(train)
+        return EnvironmentSpec(cfg.environment.cls, train)
     rows = load_rows(cfg.data, "validation")
-    validation = load_environment(cfg.environment.cls,
-                                  **environment_kwargs(cfg.data, kwargs, rows))
-    return JobEnvironments(train, validation, len(rows))
+    return EnvironmentSpec(cfg.environment.cls, train,
+                           environment_kwargs(cfg.data, kwargs, rows), len(rows))
 
 
 def summarize(step: int, trajectories: list[Trajectory], seconds: float) -> dict[str, Any]:
@@ -85,8 +77,8 @@ class Validator:
     """Plays the validation rows through a rollout runner of its own (see the module
     docstring).  Built by the coordinator once its domain clients exist."""
 
-    def __init__(self, env: Any, training: RolloutRunner, every: int, size: int | None,
-                 seed: int, rows: int) -> None:
+    def __init__(self, env: EnvironmentClient, training: RolloutRunner, every: int,
+                 size: int | None, seed: int, rows: int) -> None:
         self.env = env
         self.every = every
         self.seed = seed
@@ -111,15 +103,8 @@ class Validator:
         from erlay.actors.job.coordinator import _all_or_none
         started = time.monotonic()
         try:
-            plays = []
-            for i in range(self.size):
-                episode: Any
-                try:
-                    episode = await self.env.reset(i, self.seed)
-                except UserCodeFailed as exc:
-                    episode = exc.error
-                plays.append(self.runner.play(f"v{step:05d}-{i:04d}", step, i, episode, i))
-            trajectories = await _all_or_none(plays)
+            # Concurrent, so the resets travel to the environment hosts in one batch.
+            trajectories = await _all_or_none(self._play(step, i) for i in range(self.size))
         except PluginFailing:
             raise
         except Exception as exc:  # noqa: BLE001 - validation informs; it never ends training
@@ -129,3 +114,11 @@ class Validator:
                     "error": f"{type(exc).__name__}: {exc}"[:300]}
         self.runs += 1
         return summarize(step, list(trajectories), time.monotonic() - started)
+
+    async def _play(self, step: int, i: int) -> Trajectory:
+        episode: Any
+        try:
+            episode = await self.env.reset(i, self.seed)
+        except UserCodeFailed as exc:
+            episode = exc.error
+        return await self.runner.play(f"v{step:05d}-{i:04d}", step, i, episode, i)

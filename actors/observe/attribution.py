@@ -35,7 +35,7 @@ from typing import Any
 
 from erlay.supervisor.events import EventKind, SupervisorEvent
 
-DOMAINS = ("learner", "generation", "sandbox", "judge", "rollout")
+DOMAINS = ("learner", "generation", "sandbox", "judge", "environment", "rollout")
 OTHER = "other"
 
 

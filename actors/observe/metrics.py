@@ -52,6 +52,7 @@ RESTARTS = "erlay_restarts_total"
 SANDBOX_OUTCOMES = "erlay_sandbox_outcomes_total"
 JUDGE_FAILURES = "erlay_judge_failures_total"
 TIME_LOST = "erlay_time_lost_seconds_total"
+POISON = "erlay_poison_inputs_total"
 GOODPUT = "erlay_goodput_tokens_per_second"
 TIME_EFFICIENCY = "erlay_time_efficiency_ratio"
 ROLLOUTS_PER_S = "erlay_rollouts_per_second"
@@ -62,7 +63,7 @@ EXPORT_PREFIX = "ray_"
 
 COUNTERS = {"rollouts": ROLLOUTS, "tokens": TOKENS, "restarts": RESTARTS,
             "sandbox_outcomes": SANDBOX_OUTCOMES, "judge_failures": JUDGE_FAILURES,
-            "time_lost": TIME_LOST}
+            "time_lost": TIME_LOST, "poison": POISON}
 """Each counter instrument's Prometheus name (without the prefix)."""
 
 # The closed label sets each counter is exported with at 0 from the job's start, so that a
@@ -74,16 +75,16 @@ COUNTERS = {"rollouts": ROLLOUTS, "tokens": TOKENS, "restarts": RESTARTS,
 # their sources.
 RESTART_CAUSES = ("killed", "error", "hang", "lost", "start_error")
 SANDBOX_OUTCOME_KINDS = ("ok", "error", "timeout", "memory", "file_size", "output_limit",
-                         "killed", "spawn_failed")
-JUDGE_FAILURE_KINDS = ("timeout", "exception", "bad_return", "unavailable", "undecided",
-                       "circuit_open", "error")
+                         "killed", "spawn_failed", "poison")
+JUDGE_FAILURE_KINDS = ("timeout", "exception", "bad_return", "poison", "unavailable",
+                       "undecided", "circuit_open", "error")
 
 
 def zero_series(domains: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
     """Every (counter, tags) series the job exports at 0 when it starts (``run`` aside):
-    rollouts and tokens; restarts per domain and cause; time lost per domain; sandbox
-    outcomes and judge failures per kind."""
-    out: list[tuple[str, dict[str, str]]] = [("rollouts", {}), ("tokens", {})]
+    rollouts, tokens and poison inputs; restarts per domain and cause; time lost per domain;
+    sandbox outcomes and judge failures per kind."""
+    out: list[tuple[str, dict[str, str]]] = [("rollouts", {}), ("tokens", {}), ("poison", {})]
     out += [("restarts", {"domain": d, "cause": c}) for d in domains for c in RESTART_CAUSES]
     out += [("time_lost", {"domain": d}) for d in domains]
     out += [("sandbox_outcomes", {"kind": k}) for k in SANDBOX_OUTCOME_KINDS]
@@ -102,6 +103,7 @@ class _Instruments:
     sandbox_outcomes: Any
     judge_failures: Any
     time_lost: Any
+    poison: Any
     goodput: Any
     time_efficiency: Any
     rollouts_per_s: Any
@@ -128,6 +130,8 @@ def _build_instruments() -> _Instruments:
         sandbox_outcomes=counter(SANDBOX_OUTCOMES, "Sandbox executions by outcome.", "kind"),
         judge_failures=counter(JUDGE_FAILURES, "Judge calls that failed, by kind.", "kind"),
         time_lost=counter(TIME_LOST, "Seconds of progress lost to failures.", "domain"),
+        poison=counter(POISON, "Samples that met a poison input: a call that killed its "
+                       "worker (or host) twice, not tried again."),
         goodput=gauge(GOODPUT, "Tokens of trained samples per second of wall time."),
         time_efficiency=gauge(TIME_EFFICIENCY,
                               "Share of RL wall time not lost to failures (0..1)."),
@@ -222,6 +226,10 @@ class RayMetrics:
     def time_lost(self, seconds: float, domain: str) -> None:
         """Add ``seconds`` lost to failures in ``domain`` (``erlay_time_lost_seconds_total``)."""
         self._inc("time_lost", seconds, domain=domain)
+
+    def poison(self, n: int) -> None:
+        """Count ``n`` samples that met a poison input (``erlay_poison_inputs_total``)."""
+        self._inc("poison", n)
 
     def goodput(self, tokens_per_s: float) -> None:
         """Set goodput, trained tokens per second (``erlay_goodput_tokens_per_second``)."""

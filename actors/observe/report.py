@@ -254,7 +254,13 @@ def _goodput_rows(data: RunData, a: Analysis) -> list[tuple[str, str]]:
         rate = "— (no RL wall time)"
     lost = goodput.not_trained(data.rl)
     kinds = ", ".join(f"{kind} {n}" for kind, n in lost.items())
-    return [("goodput", rate), ("samples not trained", f"{sum(lost.values())} ({kinds})")]
+    by_step = {int(m["step"]): m for m in data.rl if is_num(m.get("step"))}
+    own = sum(int(m.get("judge_own") or 0) for m in by_step.values())
+    poison = sum(int(m.get("poison") or 0) for m in by_step.values())
+    return [("goodput", rate), ("samples not trained", f"{sum(lost.values())} ({kinds}; "
+                                f"{own} of judge_failed of the judge's own cause)"),
+            ("poison inputs", f"{poison} sample(s) met a call that killed its worker or host "
+                              "twice, not tried again")]
 
 
 def _time_efficiency(final: dict[str, Any]) -> Any:

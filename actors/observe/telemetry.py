@@ -70,7 +70,8 @@ def step_time_lost(step_s: float, clean_steps_s: Sequence[float], failed: bool) 
 
 
 _OTEL_KEYS = {"rollouts": "rollouts", "tokens": "tokens", "restarts": "restarts",
-              "time_lost": "lost", "sandbox_outcomes": "sandbox", "judge_failures": "judge"}
+              "time_lost": "lost", "sandbox_outcomes": "sandbox", "judge_failures": "judge",
+              "poison": "poison"}
 """The OpenTelemetry counter of each :func:`~erlay.actors.observe.metrics.zero_series`
 name."""
 
@@ -153,7 +154,8 @@ class JobTelemetry:
                     "restarts": ("erlay.restarts", "1"),
                     "sandbox": ("erlay.sandbox.outcomes", "1"),
                     "judge": ("erlay.judge.failures", "1"),
-                    "lost": ("erlay.time_lost", "s")}
+                    "lost": ("erlay.time_lost", "s"),
+                    "poison": ("erlay.poison_inputs", "1")}
         for key, (name, unit) in counters.items():
             self._instruments[key] = meter.create_counter(name, unit=unit)
         for series, tags in zero_series(DOMAINS):  # every series exported from the start
@@ -264,10 +266,13 @@ class JobTelemetry:
         # Counters and histograms per step, not per rollout: the driver plays hundreds of
         # rollouts a second, and each metric call costs microseconds it would otherwise lose.
         samples, tokens = int(record.get("samples", 0)), int(record.get("gen_tokens", 0))
+        poison = int(record.get("poison", 0))
         self._add("rollouts", samples)
         self._add("tokens", tokens)
+        self._add("poison", poison)
         self._ray("rollouts", samples)
         self._ray("tokens", tokens)
+        self._ray("poison", poison)
         histogram = self._instruments.get("latency")
         for seconds in latencies:
             if histogram is not None:

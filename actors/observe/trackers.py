@@ -40,7 +40,7 @@ from erlay.actors.config import LoggingSection
 log = logging.getLogger("erlay.trackers")
 
 FALLBACK = "tracker-fallback.jsonl"
-DOMAINS = ("learner", "generation", "sandbox", "judge", "rollout")
+DOMAINS = ("learner", "generation", "sandbox", "judge", "environment", "rollout")
 """Fault domains whose restarts and time lost are logged from step 0 (at 0 until the first
 failure), so a dashboard shows 0 rather than no data; others appear when they first fail."""
 

@@ -402,5 +402,21 @@ def test_samples_judged_holds_at_the_share_and_fails_below_it() -> None:
     assert samples_judged(good, 0.95).ok is True
     planted = RunObservation(metrics=[rl(0, samples=100, judge_failed=24)])
     verdict = samples_judged(planted, 0.95)
-    assert verdict.ok is False and "76 of 100 samples judged" in verdict.detail
+    assert verdict.ok is False and "76 of the 100 samples" in verdict.detail
+
+
+def test_samples_judged_leaves_the_judges_own_failures_out_of_the_share() -> None:
+    """A judge failing 15% of its inputs of its own cause: the others are all judged."""
+    own = RunObservation(metrics=[rl(0, samples=100, judge_failed=15, judge_own=15)])
+    verdict = samples_judged(own, 0.95)
+    assert verdict.ok is True and "15 of 15 judge failures carry their own cause" in verdict.detail
+
+
+def test_samples_judged_fails_when_the_judges_own_failures_knock_out_healthy_ones() -> None:
+    """Planted: the judge's own failures trip a breaker, so healthy samples fail as
+    "unavailable" (the bug this invariant exists for)."""
+    tripped = RunObservation(metrics=[rl(0, samples=100, judge_failed=40, judge_own=15)])
+    verdict = samples_judged(tripped, 0.95)
+    assert verdict.ok is False
+    assert "60 of the 85 samples" in verdict.detail and "15 of 40 judge failures" in verdict.detail
     assert samples_judged(RunObservation(), 0.95).ok is False  # nothing to judge by

@@ -2,14 +2,21 @@
 
 It is the built-in arithmetic task (single turn) or the tool-use task (multi-turn) with a
 fault planted in one method: ``raise`` (ValueError), ``hang`` (sleeps an hour), ``none``
-(returns None), or ``rate:<p>`` (raises on a seeded share ``p`` of calls, the same calls in
-every process).  It implements the Environment interface structurally, as a user's would.
+(returns None), ``freeze`` (a catastrophic regex: one C call that holds the GIL for minutes),
+``die`` (``os._exit``: the process dies, every time), ``die_once:<path>`` (dies unless
+``<path>`` exists, creating it first: a death that a retry does not meet), or ``rate:<p>``
+(raises on a seeded share ``p`` of calls, the same calls in every process).  A mode may name
+one episode index as ``<mode>@<index>`` (``freeze@3``: only episode 3's calls freeze).  It
+implements the Environment interface structurally, as a user's would.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 from erlay.environments.arithmetic import ArithmeticEnv
@@ -31,9 +38,23 @@ class FaultyEnv:
         self.max_turns = self.inner.max_turns
         self.modes = {"reset": reset, "step": step, "observe": observe}
 
-    def _fault(self, method: str, *key: Any) -> Any:
+    def _fault(self, method: str, *key: Any, index: int | None = None) -> Any:
         mode = self.modes[method]
         if mode is None:
+            return None
+        if "@" in mode:
+            mode, only = mode.split("@", 1)
+            if index != int(only):
+                return None
+        if mode == "freeze":
+            re.match(r"(a|aa)+$", "a" * 48 + "b")   # minutes in one C call, GIL held
+        if mode == "die":
+            os._exit(7)
+        if mode.startswith("die_once:"):
+            marker = Path(mode[len("die_once:"):])
+            if not marker.exists():
+                marker.touch()
+                os._exit(7)
             return None
         if mode == "raise":
             raise ValueError(f"the user's {method} failed")
@@ -46,12 +67,14 @@ class FaultyEnv:
         return None
 
     def reset(self, index: int, seed: int) -> Any:
-        if self._fault("reset", index, seed) == "none":
+        if self._fault("reset", index, seed, index=index) == "none":
             return None
         return self.inner.reset(index, seed)
 
     def step(self, episode: Any, completion: str) -> Any:
-        if self._fault("step", episode.episode_id, completion) == "none":
+        last = str(episode.episode_id).rsplit("/", 1)[-1]    # the built-ins': "name/seed/i"
+        index = int(last) if last.isdigit() else None
+        if self._fault("step", episode.episode_id, completion, index=index) == "none":
             return None
         return self.inner.step(episode, completion)
 

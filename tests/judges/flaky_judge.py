@@ -51,3 +51,4 @@ class HangingJudge:
         if answer == "hang":
             time.sleep(3600)
         return Judgement(1.0, True, "fine")
+

@@ -1,21 +1,30 @@
-"""The judge domain as the coordinator sees it: concurrent batches, one breaker per worker,
-retries on another worker, and a rate rule for judges that are broken.
+"""The judge domain as the coordinator sees it: each judgement in a worker process of a
+judge host, one at a time under its deadline; the judge's own failures cost their samples
+only, never retried as the infrastructure's and never counted by a host's breaker.
 
-The workers are real :class:`JudgeWorker` objects; only the Ray hop is replaced by a direct
-call, so these run without a cluster.
-"""
+The hosts are real :class:`~erlay.supervisor.host.NodeHost` objects with real worker
+processes; only the Ray hop between the coordinator and a host is replaced by a direct call,
+so these run without a cluster."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from erlay.actors.job.domains import JudgeClient
+from erlay.actors.job.hostcalls import HostCalls
+from erlay.actors.job.judge_client import JudgeClient
 from erlay.actors.job.plugins import PluginFailing, RateRule
-from erlay.judges.worker import JudgeWorker
+from erlay.judges.budget import CircuitBreaker
+from erlay.supervisor.host import NodeHost
+from erlay.supervisor.spec import ChildSpec, SupervisorFlags, WorkerStart
+from erlay.supervisor.worker_process import CallOutcome, WorkerCall
+from tests.judges.mixed_judge import MixedFaultJudge
+
+MIXED = "tests.judges.mixed_judge:MixedFaultJudge"
 
 
 class _Remote:
@@ -26,96 +35,178 @@ class _Remote:
         return self.fn(*args)
 
 
-class FakeHost:
-    """A judge host's ``call`` without Ray: routes to in-process workers."""
+class FakeRef:
+    """A ChildRef of a host without Ray: ``actor.submit.remote`` calls the host directly."""
 
-    def __init__(self, path: str, workers: dict[str, JudgeWorker]) -> None:
-        self.path = path
-        self.workers = workers
+    def __init__(self, host: NodeHost) -> None:
+        self.path = host.path
         self.process = object()
+        self.incarnation = 1
         self.actor = self
-        self.call = _Remote(self._call)
-
-    async def _call(self, worker: str, method: str, args: tuple[Any, ...],
-                    kwargs: Any = None) -> Any:
-        return await getattr(self.workers[worker], method)(*args)
+        self.submit = _Remote(host.submit)
 
 
 class FakeTree:
-    def __init__(self, hosts: dict[str, FakeHost]) -> None:
-        self.hosts = hosts
+    def __init__(self, hosts: list[NodeHost]) -> None:
+        self.refs = {h.path: FakeRef(h) for h in hosts}
 
-    def ref(self, path: str) -> FakeHost:
-        return self.hosts[path]
-
-
-def client(judge: str, hosts: int = 2, workers: int = 2,
-           judge_kwargs: dict[str, Any] | None = None, retries: int = 2,
-           **kw: Any) -> JudgeClient:
-    path = f"tests.judges.flaky_judge:{judge}"
-    names = [f"judge-{i + 1}" for i in range(workers)]
-    paths = [f"j/host@n{h}" for h in range(hosts)]
-    tree = FakeTree({p: FakeHost(p, {w: JudgeWorker(path, dict(judge_kwargs or {}),
-                                                    timeout_s=0.5) for w in names})
-                     for p in paths})
-    return JudgeClient(tree, paths, names, retries, judge_path=path, **kw)  # type: ignore[arg-type]
+    def ref(self, path: str) -> FakeRef:
+        return self.refs[path]
 
 
-def judged_share(c: JudgeClient, samples: int = 2000) -> float:
-    async def go() -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(c.score(f"r{i}/judge", "12", "12")
-                                           for i in range(samples))))
-    results = asyncio.run(go())
-    return sum(r["ok"] for r in results) / samples
+async def judge_hosts(judge: str, kwargs: dict[str, Any], *, hosts: int = 1,
+                      workers: int = 1, timeout_s: float = 0.5) -> list[NodeHost]:
+    template = ChildSpec("judge", WorkerStart("erlay.judges.server:JudgeServer",
+                                              args=(judge, kwargs), call_timeout_s=timeout_s))
+    out = []
+    for h in range(hosts):
+        host = NodeHost(SupervisorFlags("simple_one_for_one", intensity=3, period=10),
+                        (template,), instances=tuple(() for _ in range(workers)),
+                        erlay_path=f"erlay/judge/host@node-{h}")
+        await host.erlay_ready()
+        out.append(host)
+    return out
 
 
-def test_fifteen_percent_failing_judge_calls_leave_over_95_percent_judged() -> None:
-    share = judged_share(client("FlakyJudge", judge_kwargs={"rate": 0.15}))
-    assert share >= 0.95, share
+def client(hosts: list[NodeHost], judge: str, *, timeout_s: float = 0.5, retries: int = 2,
+           transport: Callable[[HostCalls], Any] | None = None,
+           **kw: Any) -> tuple[JudgeClient, HostCalls]:
+    calls = HostCalls(FakeTree(hosts), [h.path for h in hosts],  # type: ignore[arg-type]
+                      call_timeout_s=timeout_s, breaker=lambda: CircuitBreaker(10, 0.5))
+    run = transport(calls) if transport else calls.run
+    return JudgeClient(run, judge, retries=retries, timeout_s=timeout_s, **kw), calls
 
 
-def test_the_same_judge_without_retries_falls_below_the_target() -> None:
-    """The planted counterpart: the check can fail.  Without retries on another worker,
-    about 15% of samples stay unjudged."""
-    share = judged_share(client("FlakyJudge", judge_kwargs={"rate": 0.15}, retries=0),
-                         samples=400)
-    assert share < 0.95, share
+def run(go: Callable[[], Awaitable[Any]], timeout: float = 120) -> Any:
+    return asyncio.run(asyncio.wait_for(go(), timeout))
 
 
-def test_a_failed_judgement_carries_its_kind_and_reason() -> None:
-    c = client("BrokenJudge", rule=RateRule(window=1000, max_rate=1.0, min_calls=1000))
+KEYS = [f"r{i:04d}/judge" for i in range(120)]
+RATE = 0.15
+FAILING = {k for k in KEYS if MixedFaultJudge.fault_of(k, RATE)}
 
-    async def go() -> dict[str, Any]:
-        return await c.score("r0/judge", "1", "1")
-    result = asyncio.run(go())
-    assert result["ok"] is False and result["kind"] == "exception"
-    assert "BrokenJudge.score raised RuntimeError: the judge is broken" in result["reason"]
+
+def shares(results: dict[str, dict[str, Any]]) -> tuple[float, float]:
+    """(judged share of the others, own-cause share of the failing) over ``results``."""
+    others = [r for k, r in results.items() if k not in FAILING]
+    failing = [r for k, r in results.items() if k in FAILING]
+    judged = sum(r["ok"] for r in others) / len(others)
+    own = sum(not r["ok"] and r.get("kind") in ("exception", "timeout", "bad_return")
+              for r in failing) / len(failing)
+    return judged, own
+
+
+def judge_all(transport: Callable[[HostCalls], Any] | None = None, retries: int = 2
+              ) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    async def go() -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+        hosts = await judge_hosts(MIXED, {"rate": RATE})
+        c, _ = client(hosts, MIXED, transport=transport, retries=retries,
+                      rule=RateRule(window=1000, max_rate=1.0, min_calls=1000))
+        results = await asyncio.gather(*(c.score(k, "12", "12") for k in KEYS))
+        stats = await hosts[0].worker_stats()
+        for host in hosts:
+            await host.erlay_terminate()
+        return dict(zip(KEYS, results, strict=True)), next(iter(stats.values()))["outcomes"]
+    return run(go, timeout=300)
+
+
+def test_a_judge_failing_15_percent_of_inputs_costs_only_those_samples() -> None:
+    """One judge worker per node; the judge raises, hangs or returns None on 15% of inputs:
+    every other sample is judged, and every failing one carries its own cause."""
+    assert 10 <= len(FAILING) <= 30   # the seeded 15% of 120
+    results, outcomes = judge_all()
+    judged, own = shares(results)
+    assert judged >= 0.95 and own >= 0.90, (judged, own)
+    assert judged == 1.0 and own == 1.0
+    hangs = sum(MixedFaultJudge.fault_of(k, RATE) == "hang" for k in KEYS)
+    assert outcomes.get("timeout") == hangs   # each hang tried once, not retried
+
+
+def test_the_same_judge_with_its_failures_counted_as_the_hosts_falls_below_the_target(
+        ) -> None:
+    """The planted counterpart: a transport that feeds the judge's own failures to the
+    host's breaker and retries them, as erlay did before.  The breaker opens and healthy
+    samples fail "unavailable", so the check can fail."""
+    def as_infrastructure(calls: HostCalls) -> Any:
+        async def transport(call: WorkerCall) -> CallOutcome:
+            outcome = await calls.run(call)
+            breaker = next(iter(calls.breakers.values()))
+            if outcome.kind == "timeout" or (outcome.ok and not outcome.value.ok):
+                breaker.record_failure(time.monotonic())
+                return CallOutcome("lost", detail=f"judge failed: {outcome.kind}")
+            return outcome
+        return transport
+    results, _ = judge_all(as_infrastructure, retries=1)
+    judged, own = shares(results)
+    assert judged < 0.95 or own < 0.90, (judged, own)
+
+
+def test_a_frozen_judgement_fails_timeout_within_its_deadline_and_the_host_goes_on() -> None:
+    async def go() -> tuple[dict[str, Any], float, dict[str, Any]]:
+        hosts = await judge_hosts(MIXED, {"rate": 1.0, "mode": "freeze"}, workers=2,
+                                  timeout_s=1.0)
+        frozen_c, _ = client(hosts, MIXED, timeout_s=1.0)
+        started = time.monotonic()
+        result = await frozen_c.score("k-frozen", "12", "12")
+        took = time.monotonic() - started
+        stats = await hosts[0].worker_stats()
+        for host in hosts:
+            await host.erlay_terminate()
+        return result, took, stats
+    result, took, stats = run(go)
+    assert result["ok"] is False and result["kind"] == "timeout"
+    assert 1.0 <= took < 1.0 + 5.0
+    assert sum(s["replaced"] for s in stats.values()) == 1
+
+
+def test_an_input_that_kills_its_judge_worker_twice_is_poison() -> None:
+    async def go() -> tuple[dict[str, Any], dict[str, Any], int]:
+        hosts = await judge_hosts(MIXED, {"rate": 0.5, "mode": "die"})
+        c, calls = client(hosts, MIXED)
+        poison_key = next(k for k in KEYS if MixedFaultJudge.fault_of(k, 0.5, mode="die"))
+        fine_key = next(k for k in KEYS if not MixedFaultJudge.fault_of(k, 0.5, mode="die"))
+        poisoned = await c.score(poison_key, "12", "12")
+        fine = await c.score(fine_key, "12", "12")
+        breaker = next(iter(calls.breakers.values()))
+        for host in hosts:
+            await host.erlay_terminate()
+        return poisoned, fine, breaker.consecutive_failures
+    poisoned, fine, breaker_failures = run(go)
+    assert poisoned["ok"] is False and poisoned["kind"] == "poison"
+    assert "twice" in poisoned["reason"]
+    assert fine["ok"] is True and breaker_failures == 0
 
 
 def test_a_judge_that_always_fails_stops_the_job_after_the_min_calls() -> None:
-    c = client("BrokenJudge", retries=0, rule=RateRule(window=40, max_rate=0.75, min_calls=16))
-
-    async def go() -> int:
-        done = 0
-        for i in range(40):
-            await c.score(f"r{i}/judge", "1", "1")
-            done += 1
-        return done
+    async def go() -> None:
+        hosts = await judge_hosts(MIXED, {"rate": 1.0, "mode": "raise"})
+        c, _ = client(hosts, MIXED, rule=RateRule(window=40, max_rate=0.75, min_calls=16))
+        try:
+            for i in range(40):
+                await c.score(f"r{i}/judge", "1", "1")
+        finally:
+            for host in hosts:
+                await host.erlay_terminate()
     with pytest.raises(PluginFailing) as caught:
-        asyncio.run(go())
-    assert "tests.judges.flaky_judge:BrokenJudge.score keeps failing (16 of its last 16" \
-        in str(caught.value)
+        run(go)
+    assert f"{MIXED}.score keeps failing (16 of its last 16" in str(caught.value)
 
 
-def test_one_hanging_item_of_a_batch_times_out_alone() -> None:
-    worker = JudgeWorker("tests.judges.flaky_judge:HangingJudge", None, timeout_s=0.5)
-    items = [("1", "hang" if i % 3 == 0 else "ok", f"k{i}") for i in range(9)]
+@pytest.mark.parametrize(("outcomes", "kind"), [
+    ([CallOutcome("lost"), CallOutcome("lost"), CallOutcome("lost")], "unavailable"),
+    ([CallOutcome("died", detail="exit code 9"), CallOutcome("died", detail="exit code 9")],
+     "poison"),
+    ([CallOutcome("timeout")], "timeout")])
+def test_each_outcome_gives_the_judgement_the_table_says(outcomes: list[CallOutcome],
+                                                          kind: str) -> None:
+    answers = iter(outcomes)
 
-    async def go() -> list[dict[str, Any]]:
-        return await worker.score_many(items)
-    started = time.monotonic()
-    results = asyncio.run(go())
-    elapsed = time.monotonic() - started
-    assert [r["ok"] for r in results] == [i % 3 != 0 for i in range(9)]
-    assert {r.get("kind") for r in results if not r["ok"]} == {"timeout"}
-    assert elapsed < 1.4, f"3 hanging items judged one after another would take 1.5 s: {elapsed}"
+    async def transport(call: WorkerCall) -> CallOutcome:
+        return next(answers)
+
+    async def go() -> dict[str, Any]:
+        return await JudgeClient(transport, MIXED, retries=2, timeout_s=1.0,
+                                 pause_s=0.0).score("k", "1", "1")
+    result = run(go)
+    assert result["ok"] is False and result["kind"] == kind
+    assert next(answers, None) is None   # every outcome was asked for: no more, no fewer

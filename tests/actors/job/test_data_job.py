@@ -14,13 +14,13 @@ from erlay.actors.config import load_config
 from erlay.actors.data.rows import load_rows
 from erlay.actors.job.coordinator import RolloutCoordinator
 from erlay.actors.job.driver import Job
-from erlay.actors.job.plugins import GuardedEnvironment
 from erlay.actors.job.rollout import Trajectory
 from erlay.actors.job.validation import summarize
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import NullTransitions
 from erlay.actors.rundir import RunDir
 from erlay.environments.dataset import DatasetEnv
+from tests.actors.job.inline_env import inline_environment
 from tests.paths import REPO
 
 GSM = REPO / "configs" / "gsm8k-tiny.yaml"
@@ -41,8 +41,6 @@ class _Job:
     def __init__(self, reported: int) -> None:
         self.cfg = load_config(GSM, [f"rollout.prompts_per_step={PROMPTS}",
                                      f"rollout.group_size={GROUP}"])
-        self.env = GuardedEnvironment(DatasetEnv(load_rows(self.cfg.data), name="gsm"),
-                                      "erlay.environments.dataset:DatasetEnv")
         self.journal = None
         self.transitions = NullTransitions()
         self.run_dir = _RunDir(reported)
@@ -64,7 +62,10 @@ class _Runner:
 
 def coordinator(learner_step: int | None) -> RolloutCoordinator:
     """A coordinator whose learner is fresh (None) or was restored at ``learner_step``."""
-    coord = RolloutCoordinator(_Job(reported=learner_step or 0))
+    job = _Job(reported=learner_step or 0)
+    coord = RolloutCoordinator(job)
+    coord.env = inline_environment(DatasetEnv(load_rows(job.cfg.data), name="gsm"),
+                                   "erlay.environments.dataset:DatasetEnv")
     coord.runner = _Runner()  # type: ignore[assignment]
 
     async def learner_call(method: str, *args: Any, **kw: Any) -> Any:

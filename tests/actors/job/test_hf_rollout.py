@@ -18,7 +18,6 @@ import pytest
 
 from erlay.actors.engine.api import FinishReason, GenerationRequest
 from erlay.actors.engine.core import DecodeBatch, Sequence
-from erlay.actors.job.plugins import GuardedEnvironment
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams
 from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
 from erlay.actors.model.build import build_policy
@@ -26,6 +25,7 @@ from erlay.actors.model.tiny import write_tiny_model
 from erlay.actors.model.tokens import HFTokenizer, load_hf_tokenizer, stop_cut
 from erlay.environments.base import Episode, EpisodeStatus, StepResult
 from erlay.environments.tool_use import PYTHON_TOOL, ToolUseEnv
+from tests.actors.job.inline_env import inline_environment
 from tests.actors.model.hf_tiny import SHAPE, spec
 
 RID = "r00000-g000-0"
@@ -123,7 +123,7 @@ def runner_for(env: Any, tok: HFTokenizer, batcher: LocalBatcher | None,
                stop: tuple[str, ...] = (), max_seq_len: int = 256) -> tuple[RolloutRunner,
                                                                            MemoryTransitions]:
     sink = MemoryTransitions()
-    runner = RolloutRunner(GuardedEnvironment(env, "tests:" + type(env).__name__), tok,
+    runner = RolloutRunner(inline_environment(env, "tests:" + type(env).__name__), tok,
                            Pool(batcher), None, Judge(), sink,  # type: ignore[arg-type]
                            SamplingParams(24, 1.0, 4, 0, stop=stop), max_seq_len=max_seq_len)
     if batcher is not None:

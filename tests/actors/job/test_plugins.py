@@ -3,11 +3,9 @@ one stops the job, and bad plug-ins are refused before anything starts."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,10 @@ import pytest
 from erlay.actors.config import ConfigError, load_config
 from erlay.actors.job.plugins import (
     FailureWindow,
-    GuardedEnvironment,
-    PluginFailing,
+    PluginReply,
     RateRule,
-    UserCodeFailed,
     UserError,
+    run_checked,
 )
 from erlay.actors.job.preflight import preflight
 from erlay.environments.arithmetic import ArithmeticEnv
@@ -28,70 +25,50 @@ from tests.paths import REPO
 PATH = "tests.environments.faulty_env:FaultyEnv"
 
 
-def guarded(env: object, **kw: object) -> GuardedEnvironment:
-    return GuardedEnvironment(env, PATH, **kw)  # type: ignore[arg-type]
+def checked(env: object, method: str, *args: object) -> PluginReply:
+    return run_checked(env, PATH, method, args)
 
 
-def failure(coro: object) -> UserError:
-    with pytest.raises(UserCodeFailed) as caught:
-        asyncio.run(coro)  # type: ignore[arg-type]
-    return caught.value.error
-
-
-# -- one call ----------------------------------------------------------------------------------
+# -- one call, as a worker process runs it (the processes: test_env_domain.py) ------------------
 def test_a_raise_in_step_fails_the_call_with_the_class_method_and_exception() -> None:
     from tests.environments.faulty_env import FaultyEnv
-    env = guarded(FaultyEnv(step="raise"))
-
-    async def go() -> None:
-        episode = await env.reset(0, 0)
-        await env.step(episode, "1")
-    error = failure(go())
+    env = FaultyEnv(step="raise")
+    error = checked(env, "step", env.reset(0, 0), "1").error
+    assert error is not None
     assert (error.plugin, error.method, error.kind) == (PATH, "step", "exception")
     assert error.detail == "ValueError: the user's step failed"
     assert "faulty_env.py" in error.traceback
     assert error.reason.startswith(f"user_error: {PATH}.step: exception: ValueError")
 
 
-def test_a_hanging_observe_times_out_alone_and_the_next_call_is_served() -> None:
-    from tests.environments.faulty_env import FaultyEnv
-    env = guarded(FaultyEnv(observe="hang"), timeout_s=0.3)
-
-    async def go() -> tuple[UserError, object]:
-        episode = await env.reset(0, 0)
-        try:
-            await env.observe(episode, "out", True)
-        except UserCodeFailed as exc:
-            started = time.monotonic()
-            again = await env.reset(1, 0)   # a fresh thread serves it at once
-            assert time.monotonic() - started < 0.3
-            return exc.error, again
-        raise AssertionError("the hang was not caught")
-    error, again = asyncio.run(go())
-    assert error.kind == "timeout" and "0.3 s" in error.detail and again is not None
-    assert env.abandoned_threads == 1
-
-
 def test_a_bad_return_names_the_type_that_came_back() -> None:
     from tests.environments.faulty_env import FaultyEnv
-    env = guarded(FaultyEnv(step="none"))
-
-    async def go() -> None:
-        await env.step(await env.reset(0, 0), "1")
-    error = failure(go())
-    assert error.kind == "bad_return"
+    env = FaultyEnv(step="none")
+    error = checked(env, "step", env.reset(0, 0), "1").error
+    assert error is not None and error.kind == "bad_return"
     assert "returned NoneType, expected a (Episode, StepResult) pair" in error.detail
 
 
-def test_a_well_behaved_environment_goes_through_unchanged() -> None:
-    env = guarded(ArithmeticEnv())
+def test_a_value_that_cannot_be_sent_back_is_a_bad_return() -> None:
+    import threading
 
-    async def go() -> tuple[object, object]:
-        episode = await env.reset(3, 7)
-        return episode, await env.step(episode, "12")
-    episode, (after, result) = asyncio.run(go())
+    from erlay.environments.base import Episode
+    env = ArithmeticEnv()
+    episode = env.reset(0, 0)
+    bad = Episode(episode.episode_id, episode.prompt, episode.answer,
+                  metadata={"lock": threading.Lock()})
+    reply = run_checked(type("Env", (), {"reset": lambda self, i, s: bad})(), PATH, "reset",
+                        (0, 0))
+    assert reply.error is not None and reply.error.kind == "bad_return"
+    assert "cannot be sent back" in reply.error.detail
+
+
+def test_a_well_behaved_environment_goes_through_unchanged() -> None:
+    env = ArithmeticEnv()
+    episode = checked(env, "reset", 3, 7).value
+    after = checked(env, "step", episode, "12").value
     plain = ArithmeticEnv()
-    assert episode == plain.reset(3, 7) and (after, result) == plain.step(plain.reset(3, 7), "12")
+    assert episode == plain.reset(3, 7) and after == plain.step(plain.reset(3, 7), "12")
 
 
 # -- the failure rate ------------------------------------------------------------------------
@@ -112,24 +89,6 @@ def test_a_plugin_failing_a_fifth_of_calls_at_random_never_trips() -> None:
         window = FailureWindow()
         assert not any(window.record(fail() if rng.random() < rate else None)
                        for _ in range(20_000))
-
-
-def test_the_broken_plugin_message_names_class_method_and_first_traceback() -> None:
-    from tests.environments.faulty_env import FaultyEnv
-    env = guarded(FaultyEnv(step="raise"), rule=RateRule(window=8, max_rate=0.5, min_calls=4))
-
-    async def go() -> None:
-        episode = await env.reset(0, 0)
-        for _ in range(10):
-            try:
-                await env.step(episode, "1")
-            except UserCodeFailed:
-                continue
-    with pytest.raises(PluginFailing) as caught:
-        asyncio.run(go())
-    text = str(caught.value)
-    assert text.startswith(f"{PATH}.step keeps failing (4 of its last 4 calls)")
-    assert "Traceback (most recent call last)" in text and "the user's step failed" in text
 
 
 # -- before anything starts -------------------------------------------------------------------

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 from erlay.actors.job.coordinator import demonstration_tokens
-from erlay.actors.job.plugins import GuardedEnvironment
+from erlay.actors.job.env_client import EnvironmentClient
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams
 from erlay.actors.journal.transitions import MemoryTransitions, TransitionKind
 from erlay.actors.model.tokenizer import CharTokenizer
 from erlay.environments.tool_use import ToolUseEnv
+from tests.actors.job.inline_env import inline_environment
 
 
 class Forbidden:
@@ -55,8 +56,8 @@ def journaled_tool_rollout(tok: CharTokenizer, env: ToolUseEnv, rid: str
     return history, episode, turns[0] + turns[1]
 
 
-def guarded(env: ToolUseEnv) -> GuardedEnvironment:
-    return GuardedEnvironment(env, "erlay.environments.tool_use:ToolUseEnv")
+def guarded(env: ToolUseEnv) -> EnvironmentClient:
+    return inline_environment(env, "erlay.environments.tool_use:ToolUseEnv")
 
 
 def test_a_completed_rollout_replays_from_the_journal_without_any_domain() -> None:

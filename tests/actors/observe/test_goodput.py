@@ -21,6 +21,8 @@ from erlay.actors.observe.goodput import (
 class FakeSample:
     judged_ok: bool = True
     user_error: dict[str, str] | None = None
+    judge_kind: str = ""
+    poison: int = 0
 
 
 USER_ERROR = {"plugin": "p:Env", "method": "step", "kind": "exception"}
@@ -40,7 +42,8 @@ def test_counts_hold_the_identity_over_a_mixed_step() -> None:
     counts.add(FakeSample(), fresh=False, trained_tokens=0)
     record = counts.to_dict()
     assert record == {"samples": 6, "trained_samples": 2, "trained_tokens": 12,
-                      "user_errors": 1, "judge_failed": 1, "masked_stale": 2, "dropped": 4}
+                      "user_errors": 1, "judge_failed": 1, "masked_stale": 2,
+                      "judge_own": 0, "poison": 0, "dropped": 4}
     assert record["samples"] == record["trained_samples"] + record["dropped"]
     assert record["dropped"] == sum(record[k] for k in NOT_TRAINED)
 
@@ -54,6 +57,21 @@ def test_a_sample_is_counted_under_its_first_reason_only() -> None:
     counts.add(FakeSample(judged_ok=False), fresh=False, trained_tokens=0)
     assert (counts.user_errors, counts.judge_failed, counts.masked_stale) == (1, 1, 0)
     assert counts.dropped == 2 and counts.trained_samples == 0
+
+
+def test_judge_failures_of_the_judges_own_cause_and_poison_inputs_are_counted_apart() -> None:
+    counts = StepCounts()
+    counts.add(FakeSample(judged_ok=False, judge_kind="exception"), fresh=True,
+               trained_tokens=0)
+    counts.add(FakeSample(judged_ok=False, judge_kind="poison", poison=1), fresh=True,
+               trained_tokens=0)
+    counts.add(FakeSample(judged_ok=False, judge_kind="unavailable"), fresh=True,
+               trained_tokens=0)
+    counts.add(FakeSample(user_error={**USER_ERROR, "kind": "poison"}, poison=1), fresh=True,
+               trained_tokens=0)
+    counts.add(FakeSample(poison=1), fresh=True, trained_tokens=3)   # a poison tool call
+    assert (counts.judge_failed, counts.judge_own, counts.poison) == (3, 2, 3)
+    assert counts.dropped == 4 and counts.trained_samples == 1
 
 
 def test_a_not_trained_sample_with_tokens_in_the_loss_raises() -> None:

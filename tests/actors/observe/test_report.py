@@ -136,7 +136,8 @@ def test_goodput_is_trained_tokens_over_rl_wall_time_each_step_once(tmp_path: Pa
     text = report_of(make_run(tmp_path / "run", metrics, []), tmp_path / "out")
     assert "| RL wall time | 4.0 s (the sum of the step windows) |" in text
     assert ("| goodput | 50.0 tokens/s (200 trained tokens / 4.0 s RL wall time) |") in text
-    assert ("| samples not trained | 5 (user_errors 1, judge_failed 2, masked_stale 2) |"
+    assert ("| samples not trained | 5 (user_errors 1, judge_failed 2, masked_stale 2; "
+            "0 of judge_failed of the judge's own cause) |"
             in text)
     assert "| job-reported (last RL step) | time_efficiency=0.9, lost_s=0.0 |" in text
     assert "Goodput is tokens of samples the learner trained on (inside the staleness" in text
@@ -146,7 +147,8 @@ def test_an_old_runs_goodput_fraction_is_shown_as_time_efficiency(tmp_path: Path
     metrics = [rl(0, 5.0, judge_marked=3, dropped=4, goodput=0.857, lost_s=0.5)]
     text = report_of(make_run(tmp_path / "run", metrics, []), tmp_path / "out")
     assert "| job-reported (last RL step) | time_efficiency=0.857, lost_s=0.5 |" in text
-    assert ("| samples not trained | 4 (user_errors 0, judge_failed 3, masked_stale 1) |"
+    assert ("| samples not trained | 4 (user_errors 0, judge_failed 3, masked_stale 1; "
+            "0 of judge_failed of the judge's own cause) |"
             in text)
     assert "| goodput | — (metrics.jsonl records no trained_tokens" in text
 
