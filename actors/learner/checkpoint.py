@@ -45,7 +45,16 @@ Contracts:
   raises :class:`CheckpointSaveFailed` from the next :meth:`~AsyncCheckpointer.poll` or
   :meth:`~AsyncCheckpointer.wait` and leaves no complete checkpoint behind; a dead worker is
   replaced on the next save.  The worker exits within a second of its trainer's death,
-  however the trainer died.
+  however the trainer died (unless it is stopped: see below).
+- **A deadline on the write.** A worker that makes no progress on the save it holds for
+  ``deadline_s`` (SIGSTOPped, in D state on a hung filesystem, blocked) is killed and the
+  save fails with a reason that names the deadline; its ``.tmp-`` directory is removed, the
+  previous committed checkpoint stays, and the next save starts a new worker.  Progress is
+  measured from the worker's own counters (:mod:`~erlay.actors.learner.checkpoint_worker`),
+  at each poll and every 50 ms of a wait, so nothing that waits for a save (a save behind
+  it, wait(), close()) waits on a stuck worker much past its deadline.  close() stops an
+  idle worker politely for at most a few seconds (never more than the deadline), then
+  kills it.
 - **Rank-local.** Finalization skips the library's cross-rank all-reduce (it needs CUDA), so
   each checkpointer commits on its own.  In a data-parallel learner every rank holds the same
   state: let rank 0 checkpoint, into a root no other checkpointer uses.
@@ -66,6 +75,7 @@ import shutil
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -87,18 +97,28 @@ from erlay.actors.learner.checkpoint_format import (
     step_dir_name,
     write_checkpoint_dir,
 )
+from erlay.actors.learner.checkpoint_worker import (
+    ProgressDeadline,
+    kill_worker,
+    release_queues,
+    stop_worker,
+    why_lost,
+)
 from erlay.actors.learner.snapshot import Copier, Snapshot, StagingBuffer, unstage
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.failpoints import FailpointError
 
 __all__ = ["AsyncCheckpointer", "CheckpointInfo", "CheckpointInvalid", "CheckpointSaveFailed",
-           "ensure_process_group", "latest", "list_checkpoints", "load"]
+           "FailedSaves", "ensure_process_group", "latest", "list_checkpoints", "load"]
 
 log = logging.getLogger("erlay.checkpoint")
 
 FAILED = "FAILED"
 _POLL_INTERVAL_S = 0.05
 _PARENT_CHECK_S = 1.0
+DEFAULT_DEADLINE_S = 300.0  # checkpoint.deadline_s's default
+# How long close() lets an idle worker exit politely, and a killed one die, at most.
+_STOP_GRACE_S = 5.0
 
 
 class CheckpointSaveFailed(ErlayError):
@@ -108,6 +128,59 @@ class CheckpointSaveFailed(ErlayError):
         self.step = step
         self.reason = reason
         super().__init__(f"checkpoint of step {step} failed: {reason}")
+
+
+class FailedSaves:
+    """The saves that failed since a learner last answered its caller, as ``{"step": N,
+    "reason": "..."}`` records: a failed save is news for the coordinator, not a crash of the
+    learner, which trains on with its previous committed checkpoint standing.
+
+    >>> answers = [CheckpointSaveFailed(4, "checkpoint worker died (exit code 1)"), [5]]
+    >>> def poll() -> list[int]:  # a checkpointer's: step 4 failed, then 5 committed
+    ...     answer = answers.pop(0)
+    ...     if isinstance(answer, CheckpointSaveFailed):
+    ...         raise answer
+    ...     return answer
+    >>> failed = FailedSaves()
+    >>> failed.settle(poll)
+    [5]
+    >>> failed.take()
+    [{'step': 4, 'reason': 'checkpoint worker died (exit code 1)'}]
+    >>> failed.take()
+    []
+    """
+
+    # A checkpointer raises one failure per call, and at most two are pending at a time:
+    # one remembered while a save waited, and the save in flight.
+    _PENDING_AT_MOST = 2
+
+    def __init__(self) -> None:
+        self._records: list[dict[str, Any]] = []
+
+    def settle(self, call: Callable[[], list[int]]) -> list[int]:
+        """Run ``call`` (a checkpointer's poll() or wait()) until it raises no
+        :class:`CheckpointSaveFailed`, recording each one it raises; returns the steps it
+        committed.  Anything else it raises propagates."""
+        for _ in range(self._PENDING_AT_MOST):
+            try:
+                return list(call())
+            except CheckpointSaveFailed as exc:
+                self.record(exc)
+        try:
+            return list(call())
+        except CheckpointSaveFailed as exc:  # not expected: recorded all the same
+            self.record(exc)
+            return []
+
+    def record(self, exc: CheckpointSaveFailed) -> None:
+        """Record one failed save (and log it)."""
+        log.error("%s; the previous committed checkpoint stands", exc)
+        self._records.append({"step": exc.step, "reason": exc.reason})
+
+    def take(self) -> list[dict[str, Any]]:
+        """The records since the last take(), oldest first; forgets them."""
+        records, self._records = self._records, []
+        return records
 
 
 # --------------------------------------------------------------------------- the process group
@@ -175,18 +248,6 @@ def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
             pass  # finalization also fails a save that left no manifest
 
 
-def _release_queues(caller: Any, *, flush: bool) -> None:
-    """Close the library's queues, which it leaves open: their feeder threads would keep
-    their semaphores alive until the process exits.  Without ``flush`` (the reader is dead)
-    nothing waits for unsent data."""
-    for queue in (caller.queue, caller.preload_q, caller.comp_q):
-        if not flush:
-            queue.cancel_join_thread()
-        queue.close()
-        if flush:
-            queue.join_thread()
-
-
 # ------------------------------------------------------------------------ the checkpointer
 @dataclass
 class _InFlight:
@@ -198,6 +259,7 @@ class _InFlight:
     tmp: Path
     started: float
     snapshot: Snapshot
+    watch: ProgressDeadline
     handed_over: threading.Event = field(default_factory=threading.Event)
     handover_error: str | None = None
 
@@ -209,14 +271,18 @@ class AsyncCheckpointer:
     training loop).  Construction puts ``root`` back in order after a crash
     (:func:`~erlay.actors.learner.checkpoint_commit.recover_root`: leftovers removed, an
     interrupted re-save's old checkpoint renamed back), so only one checkpointer may use a
-    root at a time.
+    root at a time.  ``deadline_s`` is the write's progress deadline (``checkpoint.deadline_s``).
     """
 
-    def __init__(self, root: Path, keep: int = 3) -> None:
+    def __init__(self, root: Path, keep: int = 3, *,
+                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         self.root = Path(root)
         self.keep = keep
+        self.deadline_s = deadline_s
         self.root.mkdir(parents=True, exist_ok=True)
         recover_root(self.root)
         newest = latest(self.root)
@@ -249,6 +315,15 @@ class AsyncCheckpointer:
     def in_flight(self) -> int | None:
         """The step being written, or None."""
         return self._inflight.step if self._inflight is not None else None
+
+    @property
+    def writer(self) -> tuple[int, int] | None:
+        """``(step, pid)`` while the worker process ``pid`` holds the save of ``step`` (handed
+        over, not yet finalized by a poll), else None."""
+        inflight, pid = self._inflight, self.worker_pid
+        if inflight is None or pid is None or not inflight.handed_over.is_set():
+            return None
+        return inflight.step, pid
 
     @property
     def last_snapshot(self) -> Snapshot | None:
@@ -290,7 +365,8 @@ class AsyncCheckpointer:
         snapshot = Snapshot(self._staging, state)
         self._snapshot = snapshot
         tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
-        inflight = _InFlight(step, tmp, time.monotonic(), snapshot)
+        inflight = _InFlight(step, tmp, time.monotonic(), snapshot,
+                             ProgressDeadline(self.deadline_s))
         self._inflight = inflight
         self._copier.submit(partial(self._snapshot_and_hand_over, inflight, extra,
                                     write_delay_s))
@@ -327,8 +403,10 @@ class AsyncCheckpointer:
     def wait(self, timeout_s: float | None = None) -> list[int]:
         """Block until no save is in flight; returns the steps committed meanwhile.
 
-        Raises :class:`CheckpointSaveFailed` for a failed save and TimeoutError when the save
-        in flight has not finished after ``timeout_s`` (it stays in flight).
+        Raises :class:`CheckpointSaveFailed` for a failed save, one whose worker made no
+        progress for ``deadline_s`` included (so this never waits on a stuck worker much
+        longer), and TimeoutError when the save in flight has not finished after
+        ``timeout_s`` (it stays in flight).
         """
         self._raise_remembered()
         self._unreported += self._drain(timeout_s)
@@ -338,9 +416,11 @@ class AsyncCheckpointer:
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for the save in flight, then stop the worker.
 
-        After ``timeout_s`` the worker is killed instead and the save fails.  Raises
-        :class:`CheckpointSaveFailed` if the last save failed; the worker is stopped either
-        way, and so is the process group if :func:`ensure_process_group` made it here.
+        After ``timeout_s``, or once the worker has made no progress for ``deadline_s``, the
+        worker is killed instead and the save fails.  Raises :class:`CheckpointSaveFailed` if
+        the last save failed; the worker is stopped either way (an idle one that does not
+        exit within a few seconds is killed), and so is the process group if
+        :func:`ensure_process_group` made it here.
         """
         if self._closed:
             return
@@ -413,11 +493,13 @@ class AsyncCheckpointer:
         assert self._calls is not None
         try:
             done = self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True)
-            if not done and not self._worker_alive():
-                # Look once more: the worker may have reported completion and then exited.
+            lost = None if done else why_lost(self._calls.persistent_caller,
+                                              inflight.watch, inflight.tmp, time.monotonic())
+            if lost is not None:
+                # Look once more: the worker may have reported completion meanwhile.
                 done = self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True)
                 if not done:
-                    self._worker_lost("died")
+                    self._worker_lost(lost, kill=lost != "died")
         except CheckpointSaveFailed:
             self._inflight = None
             raise
@@ -482,18 +564,18 @@ class AsyncCheckpointer:
         assert self._calls is not None and self._inflight is not None
         caller = self._calls.persistent_caller
         process = caller.process
-        if kill and process is not None:
-            process.kill()
-            process.join()
-        # The library's close() would wait forever on a queue nobody reads, and so would the
-        # queues' feeder threads at interpreter exit.
-        caller.process = None
-        _release_queues(caller, flush=False)
+        if kill:
+            code = kill_worker(caller, min(self.deadline_s, _STOP_GRACE_S))
+        else:
+            # The library's close() would wait forever on a queue nobody reads, and so would
+            # the queues' feeder threads at interpreter exit.
+            caller.process = None
+            release_queues(caller, flush=False)
+            code = process.exitcode if process is not None else None
         self._calls = None
         step, tmp = self._inflight.step, self._inflight.tmp
         self._inflight = None
         shutil.rmtree(tmp, ignore_errors=True)
-        code = process.exitcode if process is not None else None
         raise CheckpointSaveFailed(step, f"checkpoint worker {how} (exit code {code})")
 
     def _stop_worker(self) -> None:
@@ -501,11 +583,7 @@ class AsyncCheckpointer:
             return
         caller = self._calls.persistent_caller
         if caller is not None:
-            alive = self._worker_alive()
-            if alive:
-                caller.close()  # tells the worker to exit and joins it
-            caller.process = None
-            _release_queues(caller, flush=alive)
+            stop_worker(caller, min(self.deadline_s, _STOP_GRACE_S))
         self._calls = None
 
     def _remember(self, exc: CheckpointSaveFailed) -> None:

@@ -187,6 +187,8 @@ class MegatronLearner:
         self.checkpoint_keep = checkpoint_keep
         self.checkpoint_deadline_s = checkpoint_deadline_s
         self._checkpointer: Any = None
+        from erlay.actors.learner.checkpoint import FailedSaves
+        self._failed_saves = FailedSaves()   # the replicated learner's rule (rank.Learner)
         self.restored: dict[str, Any] | None = None
         self._pending_state: dict[str, Any] | None = None
         info = None
@@ -430,7 +432,7 @@ class MegatronLearner:
             self.ledger.trained(self._step - 1, self._version - 1, rows["rollout_ids"],
                                 rows["versions"], rows.get("loss_mask"))
         if self._checkpointer is not None:
-            self._checkpointer.poll()
+            self._failed_saves.settle(self._checkpointer.poll)
         return metrics
 
     def sft(self, prompts: list[list[int]], targets: list[list[int]], steps: int,
@@ -577,30 +579,38 @@ class MegatronLearner:
     def save_checkpoint(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Rank 0 saves :meth:`state` asynchronously (the replicated learner's
         :class:`~erlay.actors.learner.checkpoint.AsyncCheckpointer`); ``{step, exposed_s,
-        committed}``."""
+        committed, failed}``, as the replicated learner answers (a failed save never fails a
+        call: it is in ``failed``)."""
         if self.rank != 0 or self.checkpoint_dir is None:
-            return {"step": self._step, "exposed_s": 0.0, "committed": None}
+            return {"step": self._step, "exposed_s": 0.0, "committed": None, "failed": []}
         from erlay.actors.learner.checkpoint import AsyncCheckpointer
         self._ensure_model()   # the process group the checkpoint library asks for, too
         if self._checkpointer is None:
-            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
-        self._checkpointer.poll()
+            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep,
+                                                   deadline_s=self.checkpoint_deadline_s)
         started = time.perf_counter()
+        self._failed_saves.settle(self._checkpointer.wait)
         self._checkpointer.save(self._step, self.state(), extra or {})
         self._checkpointer.wait_snapshot()
         return {"step": self._step, "exposed_s": time.perf_counter() - started,
-                "committed": self._checkpointer.committed}
+                "committed": self._checkpointer.committed, "failed": self._failed_saves.take()}
 
-    def wait_checkpoints(self) -> int | None:
+    def wait_checkpoints(self) -> dict[str, Any]:
+        """``{committed, failed}``, as the replicated learner answers."""
         if self._checkpointer is not None:
-            self._checkpointer.wait()
-        return self.status()["committed"]
+            self._failed_saves.settle(self._checkpointer.wait)
+        return {"committed": self.status()["committed"], "failed": self._failed_saves.take()}
+
+    def checkpoint_writer(self) -> dict[str, int] | None:
+        """``{"step", "pid"}`` of the checkpoint worker writing a save, as the replicated
+        learner answers; else None."""
+        writer = self._checkpointer.writer if self._checkpointer is not None else None
+        return None if writer is None else {"step": writer[0], "pid": writer[1]}
 
     def erlay_terminate(self) -> None:
         """Commit pending checkpoints, then leave the process groups."""
         if self._checkpointer is not None:
             try:
-                self._checkpointer.wait()
                 self._checkpointer.close()
             except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask
                 log.error("megatron learner rank %d: pending checkpoint failed: %s",

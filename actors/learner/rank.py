@@ -26,7 +26,13 @@ from typing import Any
 import ray
 import torch
 
-from erlay.actors.learner.checkpoint import AsyncCheckpointer, ensure_process_group, latest, load
+from erlay.actors.learner.checkpoint import (
+    AsyncCheckpointer,
+    FailedSaves,
+    ensure_process_group,
+    latest,
+    load,
+)
 from erlay.actors.learner.checkpoint_format import SHARDED
 from erlay.actors.learner.core import STATE_FORMAT, LearnerCore, TrainBatch
 from erlay.actors.learner.fsdp import full_model_state, read_sharded_whole, sharded_app_state
@@ -61,6 +67,11 @@ class Learner(LearnerCore):
     weights and its timeline alone in its constructor (no collective there: the supervisor
     starts ranks one at a time) and loads its optimizer's and model's shards when it shards
     (:mod:`erlay.actors.learner.fsdp`).
+
+    A save that fails (its worker died, or made no progress for ``checkpoint_deadline_s`` and
+    was killed) never fails a call: the learner trains on, the previous committed checkpoint
+    stands, the next save starts a new worker, and the failure is in the ``"failed"`` list of
+    the next answer of :meth:`save_checkpoint` or :meth:`wait_checkpoints`.
     """
 
     def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
@@ -87,6 +98,7 @@ class Learner(LearnerCore):
         self.checkpoint_keep = checkpoint_keep
         self.checkpoint_deadline_s = checkpoint_deadline_s
         self._checkpointer: Any = None   # AsyncCheckpointer, or ShardedCheckpointer (fsdp2)
+        self._failed_saves = FailedSaves()   # reported by the next save or wait answer
         self.restored: dict[str, Any] | None = None
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
         if info is not None and info.layout == SHARDED:
@@ -135,14 +147,18 @@ class Learner(LearnerCore):
         with self._lock:
             self._ready()
             if self._checkpointer is None:
-                self._checkpointer = ShardedCheckpointer(self.checkpoint_dir,
-                                                         keep=self.checkpoint_keep)
+                self._checkpointer = ShardedCheckpointer(
+                    self.checkpoint_dir, keep=self.checkpoint_keep,
+                    deadline_s=self.checkpoint_deadline_s)
                 self._checkpointer.guard(self.optimizer)
-            self._checkpointer.poll()   # commit finished saves first: `committed` is current
+            # The save in flight first (save() would wait for it too), so that its failure
+            # is in this answer and `committed` is current.
+            self._failed_saves.settle(self._checkpointer.wait)
             self._checkpointer.save(self._step, sharded_app_state(
                 self.model, self.optimizer, self._sharded_plain()), extra)
         return {"step": self._step, "exposed_s": time.perf_counter() - started,
-                "committed": self._checkpointer.committed}
+                "committed": self._checkpointer.committed,
+                "failed": self._failed_saves.take()}
 
     def _ensure_group(self) -> None:
         """Form the group at rank 0's announced address (rendezvous), on the interface that
@@ -167,7 +183,7 @@ class Learner(LearnerCore):
             self.ledger.trained(int(metrics["step"]) - 1, int(metrics["version"]) - 1,
                                 rows["rollout_ids"], rows["versions"], rows.get("loss_mask"))
         if self._checkpointer is not None:
-            self._checkpointer.poll()
+            self._failed_saves.settle(self._checkpointer.poll)
         return metrics
 
     def status(self) -> dict[str, Any]:
@@ -187,11 +203,14 @@ class Learner(LearnerCore):
         happen in the checkpoint worker process.  Only rank 0 saves (ranks
         hold identical state after every step); other ranks return at once.  fsdp2: every
         rank calls it and saves its shards (:class:`ShardedCheckpointer`; a chaos ``delay``
-        armed here is not applied to its write).  Returns
-        ``{step, exposed_s, committed}`` with the newest committed step so far.
+        armed here is not applied to its write).  Returns ``{step, exposed_s, committed,
+        failed}``: the newest committed step so far, and the saves that failed since the last
+        answer (``[{"step": N, "reason": "..."}]``, oldest first; class docstring).  A save
+        still in flight is waited for first, at most until its worker has made no progress
+        for ``checkpoint_deadline_s``.
         """
         if self.checkpoint_dir is None or (self.rank != 0 and self._fsdp is None):
-            return {"step": self._step, "exposed_s": 0.0, "committed": None}
+            return {"step": self._step, "exposed_s": 0.0, "committed": None, "failed": []}
         # Chaos: a `delay` armed here is slow storage, so it slows the background write,
         # not this call; any other action (raise, hang, exit) acts here, mid-save.
         armed = failpoints.armed().get("learner.checkpoint")
@@ -204,24 +223,36 @@ class Learner(LearnerCore):
             if self.world_size > 1:
                 self._ensure_group()
             ensure_process_group()
-            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep)
+            self._checkpointer = AsyncCheckpointer(self.checkpoint_dir, keep=self.checkpoint_keep,
+                                                   deadline_s=self.checkpoint_deadline_s)
             self._checkpointer.guard(self.optimizer)
-        self._checkpointer.poll()  # commit finished saves first, so `committed` is current
-        started = time.perf_counter()  # exposed here: recording the state and the hand-off
+        # Exposed here: the save in flight, waited for first (save() would wait for it too; so
+        # its failure is in this answer and `committed` is current), recording the state and
+        # the hand-off.
+        started = time.perf_counter()
+        self._failed_saves.settle(self._checkpointer.wait)
         with self._lock:  # the state's structure is read between steps
             self._checkpointer.save(self._step, self._state_locked(copied=False), extra or {},
                                     write_delay_s=write_delay_s)
         exposed = time.perf_counter() - started
         return {"step": self._step, "exposed_s": exposed,
-                "committed": self._checkpointer.committed}
+                "committed": self._checkpointer.committed, "failed": self._failed_saves.take()}
 
-    def wait_checkpoints(self) -> int | None:
-        """Block until every save is committed; the newest committed step.  fsdp2: a
-        collective, every rank calls it."""
+    def wait_checkpoints(self) -> dict[str, Any]:
+        """Block until no save is in flight (a stuck one: until its worker has made no progress
+        for ``checkpoint_deadline_s`` and is killed); ``{committed, failed}``: the newest
+        committed step (or None) and the saves that failed since the last answer, as
+        :meth:`save_checkpoint` gives them.  fsdp2: a collective, every rank calls it."""
         if self._checkpointer is not None:
-            self._checkpointer.wait()
+            self._failed_saves.settle(self._checkpointer.wait)
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
-        return info.step if info else None
+        return {"committed": info.step if info else None, "failed": self._failed_saves.take()}
+
+    def checkpoint_writer(self) -> dict[str, int] | None:
+        """``{"step": N, "pid": P}`` while this rank's checkpoint worker process ``P`` is
+        writing the save of step ``N``, else None (the chaos suite stops that process)."""
+        writer = self._checkpointer.writer if self._checkpointer is not None else None
+        return None if writer is None else {"step": writer[0], "pid": writer[1]}
 
     def publish(self) -> tuple[int, list[Any]]:
         """``(version, [ref])``: the current weights put in the object store.
@@ -237,18 +268,19 @@ class Learner(LearnerCore):
         return version, [ray.put(weights)]
 
     def erlay_terminate(self) -> None:
-        """On a polite shutdown, commit pending checkpoints, then leave the process group so
+        """On a polite shutdown, commit pending checkpoints (waiting on a stuck worker at most
+        until ``checkpoint_deadline_s`` without progress), then leave the process group so
         peers fail fast, not by timeout."""
         if self._checkpointer is not None:
             try:
                 if self._fsdp is not None and self._checkpointer.in_flight is not None:
                     # Waiting is a collective, and peers shut down on their own schedule:
                     # the save in flight is given up (the last committed one stands), and
-                    # its worker ends with this rank's process group.
+                    # its worker is killed (a stopped one would outlive this rank).
                     log.warning("learner rank %d: shutting down with the save of step %d "
                                 "uncommitted", self.rank, self._checkpointer.in_flight)
+                    self._checkpointer.abandon()
                 else:
-                    self._checkpointer.wait()
                     self._checkpointer.close()
             except Exception as exc:  # noqa: BLE001 - shutting down: report, do not mask
                 log.error("learner rank %d: pending checkpoint failed at shutdown: %s",

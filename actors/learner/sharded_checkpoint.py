@@ -66,6 +66,13 @@ ends it; the learner's ``one_for_all``
 supervision restarts all ranks first, and the new incarnation's rank 0 removes the ``.tmp-``
 directory.  A *worker* that dies fails the save on every rank at the next agreement; the next
 save starts a new worker.
+
+**A worker that makes no progress** on its rank's part for ``deadline_s`` (SIGSTOPped, in D
+state, blocked: measured from its own counters, :mod:`~erlay.actors.learner.checkpoint_worker`)
+is killed by its rank, which then votes the save failed: every rank raises the same
+:class:`~erlay.actors.learner.checkpoint.CheckpointSaveFailed` at that agreement, rank 0
+removes the ``.tmp-`` directory, and the next save starts a new worker on that rank.  So no
+poll, wait or close waits on a stuck worker much past the deadline.
 """
 
 from __future__ import annotations
@@ -103,9 +110,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.tensor import DTensor
 
 from erlay.actors.learner.checkpoint import (
+    DEFAULT_DEADLINE_S,
     CheckpointSaveFailed,
     _exit_with_parent,
-    _release_queues,
     ensure_process_group,
 )
 from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root, retire
@@ -119,6 +126,13 @@ from erlay.actors.learner.checkpoint_format import (
     latest,
     sha256_of,
     step_dir_name,
+)
+from erlay.actors.learner.checkpoint_worker import (
+    ProgressDeadline,
+    kill_worker,
+    release_queues,
+    stop_worker,
+    why_lost,
 )
 from erlay.actors.learner.sharded_load import (
     DCP_KEYS,
@@ -136,6 +150,7 @@ log = logging.getLogger("erlay.checkpoint")
 
 _POLL_INTERVAL_S = 0.05
 _DEFAULT_TIMEOUT_S = 600.0
+_STOP_GRACE_S = 5.0  # how long close() lets an idle worker exit, and a killed one die, at most
 
 
 def _results_name(rank: int) -> str:
@@ -259,6 +274,7 @@ class _InFlight:
     metadata: Any  # DCP's global metadata, on rank 0 only
     snapshot: Snapshot
     started: float
+    watch: ProgressDeadline
     handed_over: threading.Event = field(default_factory=threading.Event)
     handover_error: str | None = None
     # This rank's part, once known: (finished, failure).  Kept, because the library reports
@@ -273,15 +289,19 @@ class ShardedCheckpointer:
     the same points.  Construction is not collective: rank 0 puts ``root`` back in order
     after a crash (:func:`~erlay.actors.learner.checkpoint_commit.recover_root`), so only one
     job may use a root at a time.  ``timeout_s`` bounds every checkpoint collective (a rank
-    that died mid-save)."""
+    that died mid-save); ``deadline_s`` is each rank's write's progress deadline
+    (``checkpoint.deadline_s``)."""
 
-    def __init__(self, root: Path, keep: int = 3, *,
-                 timeout_s: float = _DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, root: Path, keep: int = 3, *, timeout_s: float = _DEFAULT_TIMEOUT_S,
+                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         self.root = Path(root)
         self.keep = keep
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -311,6 +331,17 @@ class ShardedCheckpointer:
     def in_flight(self) -> int | None:
         """The step being written, or None."""
         return self._inflight.step if self._inflight is not None else None
+
+    @property
+    def writer(self) -> tuple[int, int] | None:
+        """``(step, pid)`` while this rank's worker process ``pid`` holds its part of the save
+        of ``step`` (handed over, not yet agreed finished), else None."""
+        inflight = self._inflight
+        caller = self._calls.persistent_caller if self._calls is not None else None
+        process = getattr(caller, "process", None)
+        if inflight is None or process is None or not inflight.handed_over.is_set():
+            return None
+        return inflight.step, process.pid
 
     @property
     def last_snapshot(self) -> Snapshot | None:
@@ -365,7 +396,8 @@ class ShardedCheckpointer:
             enable_cache=True, metadata_cache=self._plans)
         snapshot = Snapshot(self._staging, writer.write_buckets)
         self._snapshot = snapshot
-        inflight = _InFlight(step, tmp, extra, writer, metadata, snapshot, time.monotonic())
+        inflight = _InFlight(step, tmp, extra, writer, metadata, snapshot, time.monotonic(),
+                             ProgressDeadline(self.deadline_s))
         self._inflight = inflight
         self._copier.submit(partial(self._snapshot_and_hand_over, inflight,
                                     plain.getvalue()))
@@ -421,6 +453,22 @@ class ShardedCheckpointer:
                 dist.destroy_process_group()
             self._owns_group = False
 
+    def abandon(self) -> None:
+        """Not collective: give up the save in flight and close, without waiting for any
+        peer (a rank shutting down on its own schedule).  The worker is killed, so a stopped
+        one does not outlive this rank; the save's ``.tmp-`` directory is left for the next
+        rank 0 to remove.  The process group is not destroyed here."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inflight = None
+        if self._snapshot is not None:
+            self._snapshot.abort()
+        self._copier.stop()
+        if self._calls is not None:
+            self._drop_worker(kill=True)
+        self._staging = StagingBuffer()
+
     def __enter__(self) -> ShardedCheckpointer:
         return self
 
@@ -461,18 +509,21 @@ class ShardedCheckpointer:
         if reason is not None:
             return True, reason
         assert self._calls is not None
-        if self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True):
-            failed = inflight.tmp / _failed_name(self.rank)
-            if failed.exists():
-                return True, failed.read_text().strip().splitlines()[-1]
-            return True, None
-        if not self._worker_alive():
-            # Look once more: the worker may have reported completion and then exited.
-            if self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True):
-                return True, None
-            code = self._drop_worker()
-            return True, f"checkpoint worker died (exit code {code})"
-        return False, None
+        done = self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True)
+        lost = None if done else why_lost(self._calls.persistent_caller, inflight.watch,
+                                          inflight.tmp, time.monotonic())
+        if lost is not None:
+            # Look once more: the worker may have reported completion meanwhile.
+            done = self._calls.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            if not done:
+                code = self._drop_worker(kill=lost != "died")
+                return True, f"checkpoint worker {lost} (exit code {code})"
+        if not done:
+            return False, None
+        failed = inflight.tmp / _failed_name(self.rank)
+        if failed.exists():
+            return True, failed.read_text().strip().splitlines()[-1]
+        return True, None
 
     def _advance(self, deadline: float | None = None) -> list[int]:
         inflight = self._inflight
@@ -569,14 +620,17 @@ class ShardedCheckpointer:
         process = getattr(caller, "process", None)
         return process is not None and process.is_alive()
 
-    def _drop_worker(self) -> int | None:
-        """Forget a dead worker (the next save starts a new one); returns its exit code."""
+    def _drop_worker(self, *, kill: bool = False) -> int | None:
+        """Forget the worker, killing it first with ``kill`` (the next save starts a new
+        one); returns its exit code (None: it has not died yet)."""
         assert self._calls is not None
         caller = self._calls.persistent_caller
+        self._calls = None
+        if kill:
+            return kill_worker(caller, min(self.deadline_s, _STOP_GRACE_S))
         process = caller.process
         caller.process = None
-        _release_queues(caller, flush=False)
-        self._calls = None
+        release_queues(caller, flush=False)
         return process.exitcode if process is not None else None
 
     def _stop_worker(self) -> None:
@@ -584,11 +638,7 @@ class ShardedCheckpointer:
             return
         caller = self._calls.persistent_caller
         if caller is not None:
-            alive = self._worker_alive()
-            if alive:
-                caller.close()
-            caller.process = None
-            _release_queues(caller, flush=alive)
+            stop_worker(caller, min(self.deadline_s, _STOP_GRACE_S))
         self._calls = None
 
     def __del__(self) -> None:

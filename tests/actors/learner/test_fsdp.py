@@ -175,7 +175,7 @@ def _sharded_incarnations(rank: int, world: int, port: int, spec: dict[str, Any]
     first = Learner(spec, master_port=port, **options)
     first.train_step(batches[0], expected_step=0)
     saved = first.save_checkpoint({"journal_snapshot": "snap-1"})
-    committed = first.wait_checkpoints()
+    committed = first.wait_checkpoints()["committed"]
     after_save = first.weights() if rank == 0 else None
     first.train_step(batches[1], expected_step=1)
     trained = first.weights() if rank == 0 else None
