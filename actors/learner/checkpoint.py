@@ -105,6 +105,7 @@ from erlay.actors.learner.checkpoint_worker import (
     why_lost,
 )
 from erlay.actors.learner.snapshot import Copier, Snapshot, StagingBuffer, unstage
+from erlay.supervisor import failpoints
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.failpoints import FailpointError
 
@@ -237,8 +238,10 @@ def _persist(tmp_dir: str, skeleton: Any, buffer: torch.Tensor, step: int,
     """
     _exit_with_parent(parent)
     tmp = Path(tmp_dir)
-    if write_delay_s > 0:  # slow storage, as the chaos suite injects it
-        time.sleep(write_delay_s)
+    if write_delay_s > 0:
+        # Slow storage, as the chaos suite injects it: the write stalls once its first chunk
+        # is in state.pt, so a fault aimed at the writer meanwhile strikes mid-write.
+        failpoints.arm("learner.checkpoint_write", "delay", delay_s=write_delay_s, nth=1)
     try:
         write_checkpoint_dir(tmp, step, unstage(skeleton, buffer), extra)
     except Exception:  # noqa: BLE001 - reported through the FAILED file, see above
