@@ -125,6 +125,19 @@ class Injector:
             raise LookupError(f"{path} runs on another node; signals stay on this machine")
         return int(info["pid"])
 
+    def _checkpoint_writer(self, path: str, timeout_s: float = 60.0) -> tuple[int, int]:
+        """``(pid, step)`` of learner rank ``path``'s checkpoint writer, polled until it holds
+        a save (LookupError after ``timeout_s``)."""
+        assert self.job.tree is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            actor = self.job.tree.ref(path).actor
+            writer = ray.get(actor.checkpoint_writer.remote(), timeout=30)
+            if writer is not None:
+                return int(writer["pid"]), int(writer["step"])
+            time.sleep(0.05)
+        raise LookupError(f"{path} held no checkpoint save within {timeout_s:g} s")
+
     def _record(self, kind: str, target: str, expect: str, detail: str = "") -> FaultRecord:
         record = FaultRecord(id=next(self._ids), kind=kind, target=target,
                              domain=domain_of(target), at=time.time(), expect=expect,
@@ -150,16 +163,21 @@ class Injector:
         return False
 
     def signal(self, kind: str, pattern: str, *, stop_s: float | None = None,
-               expect: str = "restart", during: str | None = None) -> FaultRecord:
+               expect: str = "restart", during: str | None = None,
+               process: str = "child") -> FaultRecord:
         """SIGKILL, SIGTERM or SIGSTOP (then SIGCONT after ``stop_s``; never, if None: a
         hang for the child's progress deadline to find) of one child's process; with
-        ``during``, once the child holds work in that phase."""
+        ``during``, once the child holds work in that phase.  ``process="checkpoint_writer"``
+        signals a learner rank's checkpoint writer instead, once it holds a save."""
         path = self.resolve(pattern)
         missed = ""
         if during is not None and not self.wait_for_phase(path, during):
             log.warning("chaos: %s never entered %s; signalling it anyway", path, during)
             missed = f", outside {during} (not seen in it within the wait)"
         pid = self._pid(path)
+        if process == "checkpoint_writer":
+            pid, step = self._checkpoint_writer(path)
+            missed += f" (its checkpoint writer, mid-save of step {step})"
         os.kill(pid, SIGNALS[kind])
         if kind == "sigstop" and stop_s is not None:
             timer = threading.Timer(stop_s, _sigcont, args=(pid,))

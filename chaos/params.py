@@ -5,7 +5,9 @@ a validated scenario from them.
 Fault kinds, by level:
 
 - process: ``sigkill``, ``sigterm``, ``sigstop`` (of an actor child or a host; ``stop_s``
-  continues it, none leaves it frozen for its heartbeat to find), ``ray_kill``, ``node_loss``,
+  continues it, none leaves it frozen for its heartbeat to find; ``process:
+  checkpoint_writer`` stops a learner rank's checkpoint writer mid-save instead, for the
+  write's deadline, ``checkpoint.deadline_s``, to find), ``ray_kill``, ``node_loss``,
   ``driver_kill``;
 - code: ``failpoint`` (any named failpoint), ``delay`` (slow calls at a domain's work),
   ``slow_checkpoint``, ``judge_fault``;
@@ -122,6 +124,9 @@ class SignalParams(_Model):
 class SigstopParams(SignalParams):
     stop_s: float | None = Field(gt=0, description="SIGCONT after this long; null: never, a "
                                  "hang for the target's progress deadline to find")
+    process: Literal["child", "checkpoint_writer"] = Field(
+        "child", description="child: the target's own process; checkpoint_writer: a learner "
+        "rank's checkpoint writer, once it holds a save (stopped mid-save)")
 
 
 class FailpointParams(_Model):
@@ -207,6 +212,8 @@ def default_expect(inject: str, params: dict[str, Any]) -> Expect:
         case "delay" | "user_error" | "partial":
             return "absorbed"  # a slow call, a failed sample, a retried judgement
         case "sigstop":
+            if params.get("process") == "checkpoint_writer":
+                return "absorbed"  # the learner kills the writer; that save fails, no restart
             return "restart" if params.get("stop_s") is None else "absorbed"
         case "failpoint":
             return "absorbed" if params["spec"]["action"] in ("delay", "corrupt") else "restart"

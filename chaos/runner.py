@@ -324,7 +324,8 @@ def inject_one(injector: Injector, spec: FaultSpec) -> FaultRecord:
     match spec.inject:
         case "sigkill" | "sigterm" | "sigstop":
             return injector.signal(spec.inject, spec.target, stop_s=params.get("stop_s"),
-                                   expect=expect, during=params.get("during"))
+                                   expect=expect, during=params.get("during"),
+                                   process=params.get("process", "child"))
         case "ray_kill":
             return injector.ray_kill(spec.target, expect=expect)
         case "failpoint":

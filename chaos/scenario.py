@@ -204,6 +204,10 @@ class FaultSpec(_Model):
             if during not in phases:
                 problems.append((("params", "during"), f"expected a phase of that domain, one "
                                  f"of {', '.join(phases)}", during))
+        if (self.params.get("process") == "checkpoint_writer"
+                and _domain_of(self.target) != "learner"):
+            problems.append((("params", "process"), "expected a learner rank as the target: "
+                             "only learner ranks have a checkpoint writer", "checkpoint_writer"))
         if self.params.get("scope") == "env" and self.at != 0:
             problems.append((("at",), "expected 0: scope env arms every process from its "
                              "start", self.at if self.at is not None else NOTHING))
