@@ -53,6 +53,7 @@ CAUSE_COLOURS = {Cause.KILLED: "tab:red", Cause.ERROR: "tab:orange", Cause.HANG:
                  Cause.LOST: "tab:brown", Cause.START_ERROR: "tab:blue",
                  Cause.UNKNOWN: "tab:gray"}
 MAX_FAILURE_ROWS = 50
+MAX_FAILED_SAVES = 5   # failed checkpoint saves named in the overview; the rest counted
 
 
 # ------------------------------------------------------------------------------- figures
@@ -269,6 +270,20 @@ def _time_efficiency(final: dict[str, Any]) -> Any:
     return final.get("goodput")  # before goodput was defined, this field held the fraction
 
 
+def _failed_saves(data: RunData) -> list[tuple[str, str]]:
+    """The overview's row of failed checkpoint saves (``checkpoint_failed`` records in
+    metrics.jsonl), or none when no save failed."""
+    failed = [m for m in data.metrics if m.get("phase") == "checkpoint_failed"]
+    if not failed:
+        return []
+    shown = [f"step {m.get('step')}: {_cell(str(m.get('reason', '')), 200)}"
+             for m in failed[:MAX_FAILED_SAVES]]
+    if len(failed) > MAX_FAILED_SAVES:
+        shown.append(f"{len(failed) - MAX_FAILED_SAVES} more")
+    return [("failed checkpoint saves", f"{len(failed)} ({'; '.join(shown)}); the previous "
+             "committed checkpoint stood each time")]
+
+
 def _overview(data: RunData, a: Analysis) -> list[str]:
     steps = [m["step"] for m in data.rl if is_num(m.get("step"))]
     planned = f" of {data.planned_steps} planned" if data.planned_steps else ""
@@ -294,6 +309,7 @@ def _overview(data: RunData, a: Analysis) -> list[str]:
     rows.append(("failures", f"{len(a.failures)} ({restarted} restarted, "
                  f"{len(a.failures) - restarted} not restarted); "
                  f"{a.escalations} escalation(s)"))
+    rows += _failed_saves(data)
     cost = sum(a.lost.costs)
     rows.append(("time lost to failures",
                  f"{cost:.2f} s ({_pct(100 * cost / a.lost.rl_wall_s)} of RL wall time)"

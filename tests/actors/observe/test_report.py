@@ -126,6 +126,19 @@ def test_multi_domain_run_reads_generation_67_sandbox_33(tmp_path: Path) -> None
     assert "| job start (time zero) | metrics.jsonl started_at |" in text
 
 
+def test_a_failed_checkpoint_save_is_named_in_the_overview(tmp_path: Path) -> None:
+    reason = ("checkpoint worker made no progress for 8.0 s (checkpoint.deadline_s 8 s; "
+              "pid 9 was stopped (T)) and was killed (exit code -9)")
+    metrics = [{"time": 4.0, "phase": "warm_start", "started_at": T0}, rl(0, 5.0),
+               {"time": 5.5, "phase": "checkpoint_failed", "step": 2, "reason": reason},
+               rl(1, 6.0)]
+    text = report_of(make_run(tmp_path / "run", metrics, []), tmp_path / "out")
+    assert (f"| failed checkpoint saves | 1 (step 2: {reason}); the previous committed "
+            "checkpoint stood each time |") in text
+    assert "failed checkpoint saves" not in report_of(
+        make_run(tmp_path / "clean", [rl(0, 5.0), rl(1, 6.0)], []), tmp_path / "out2")
+
+
 def test_goodput_is_trained_tokens_over_rl_wall_time_each_step_once(tmp_path: Path) -> None:
     # Four 1 s windows; step 1 was fed again after a rewind, so its second record wins.
     metrics = [rl(0, 5.0, trained_tokens=100, user_errors=1, judge_failed=0, masked_stale=2),
