@@ -324,3 +324,25 @@ def test_a_sharded_save_whose_writer_is_stopped_fails_and_the_next_commits(
     finally:
         if made:
             dist.destroy_process_group()
+
+
+def test_a_sharded_rank_shutting_down_mid_save_kills_its_stopped_writer(
+        tmp_path: Path) -> None:
+    """abandon(), what a rank's shutdown does with a save in flight (peers are not waited
+    for): the writer, stopped mid-save, does not outlive it."""
+    from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+
+    made = ensure_process_group()
+    pid = None
+    try:
+        model = torch.nn.Linear(64, 64)
+        checkpointer = ShardedCheckpointer(tmp_path, deadline_s=DEADLINE_S)
+        with armed_in_new_workers({"action": "hang", "nth": 1}):
+            checkpointer.save(1, {"model": model.state_dict(), "optimizer": {}})
+            pid = stop_mid_save(checkpointer, tmp_path, 1, "__0_0.distcp")
+        returned, _ = returns_within(checkpointer.abandon, BOUND_S)
+        assert returned and not alive(pid)
+    finally:
+        kill_if_alive(pid)
+        if made:
+            dist.destroy_process_group()
