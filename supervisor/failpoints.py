@@ -8,6 +8,10 @@ would strike.  Nothing happens there until the name is *armed* in that process w
 - ``raise``: raises :class:`FailpointError` naming the failpoint (a crash of the caller);
 - ``hang``: blocks until the name is disarmed, or forever (a wedged component);
 - ``delay``: sleeps ``delay_s`` and continues (a slow component);
+- ``freeze``: holds the GIL for ``delay_s`` in C code that never yields, as a catastrophic
+  regex or a C extension's loop does: every thread of the process stops, the event loop and
+  a watchdog thread included, and no signal handler runs (the process is still alive and
+  "running" to the OS); the same in sync and async code;
 - ``exit``: ``os._exit(exit_code)``, the process dies at once, as in a crash.
 
 Rules, all optional and combinable: ``nth=N`` fires on the N-th hit only (1-based);
@@ -104,6 +108,7 @@ class Action(StrEnum):
     DELAY = "delay"
     EXIT = "exit"
     CORRUPT = "corrupt"  # the call returns True; the call site corrupts its own result
+    FREEZE = "freeze"    # holds the GIL for delay_s: the whole process stops
 
 
 def _field_error(name: str, expected: str, value: object) -> ValueError:
@@ -223,9 +228,25 @@ def failpoint(name: str) -> bool:
             armed.released.wait()
         case Action.DELAY:
             time.sleep(armed.spec.delay_s)
+        case Action.FREEZE:
+            hold_gil(armed.spec.delay_s)
         case Action.EXIT:
             os._exit(armed.spec.exit_code)
     return False
+
+
+# One chunk of hold_gil: a C loop of about a second here, during which no other thread of
+# the process runs.  Between chunks the GIL may change hands for a few milliseconds.
+_FREEZE_CHUNK = 30_000_000
+
+
+def hold_gil(seconds: float) -> None:
+    """Hold the GIL for ``seconds``, in C calls that never yield (``sum`` over a ``range``:
+    no bytecode runs, so the interpreter never offers the GIL to another thread), one chunk
+    of about a second after another."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(_FREEZE_CHUNK))
 
 
 async def afailpoint(name: str) -> bool:
@@ -246,6 +267,8 @@ async def afailpoint(name: str) -> bool:
                 await asyncio.sleep(_HANG_POLL_S)
         case Action.DELAY:
             await asyncio.sleep(armed.spec.delay_s)
+        case Action.FREEZE:
+            hold_gil(armed.spec.delay_s)
         case Action.EXIT:
             os._exit(armed.spec.exit_code)
     return False

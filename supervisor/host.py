@@ -143,11 +143,16 @@ class NodeHost:
 
     async def erlay_failpoints_changed(self, op: str, name: str | None,
                                        spec: dict[str, Any] | None) -> None:
-        """A failpoint armed in this host is armed in its worker processes too, the ones
-        running now and every one started later (chaos: a user's code failing there)."""
+        """A failpoint armed in this host is armed in its worker processes too (chaos: a
+        user's code failing there): the ones running now, and, unless it fires a bounded
+        number of times (``count``, ``nth``: those count per process, and a replacement armed
+        again would fire again), every one started later."""
         match op:
             case "arm" if name is not None and spec is not None:
-                ARMED[name] = dict(spec)
+                if spec.get("count") is None and spec.get("nth") is None:
+                    ARMED[name] = dict(spec)
+                else:
+                    ARMED.pop(name, None)
             case "disarm" if name is not None:
                 ARMED.pop(name, None)
             case "disarm_all":

@@ -159,6 +159,12 @@ class SupervisionTree:
             self._loop.close()
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The tree's event loop, on which every supervisor runs (read-only: a probe may
+        schedule a timer on it, as ``bench/loop_lag.py`` does; nothing else belongs there)."""
+        return self._loop
+
+    @property
     def thread_native_id(self) -> int | None:
         """OS thread id of the tree's event loop (where every supervisor runs)."""
         return self._thread.native_id

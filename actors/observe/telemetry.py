@@ -76,6 +76,29 @@ _OTEL_KEYS = {"rollouts": "rollouts", "tokens": "tokens", "restarts": "restarts"
 name."""
 
 
+class _LateWritesDropped:
+    """A metrics file that drops what is written after it was closed.  The SDK's periodic
+    reader makes one last collection as it shuts down, and its thread can outlive
+    ``MeterProvider.shutdown``'s wait for it; that export then finds the file closed."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            return 0 if self._file.closed else int(self._file.write(text))
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
 class JobTelemetry:
     """See the module docstring.  ``close()`` flushes everything; safe to call twice."""
 
@@ -180,8 +203,8 @@ class JobTelemetry:
         def line(data: Any) -> str:
             return data.to_json(indent=None) + "\n"
         if self.cfg.exporter == "file":
-            out = telemetry.open_telemetry_file(Path(self.settings.dir or "."),
-                                                f"metrics-{os.getpid()}")
+            out = _LateWritesDropped(telemetry.open_telemetry_file(
+                Path(self.settings.dir or "."), f"metrics-{os.getpid()}"))
             self._files.append(out)
             return ConsoleMetricExporter(out=out, formatter=line)
         return ConsoleMetricExporter(formatter=line)
