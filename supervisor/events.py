@@ -38,12 +38,14 @@ class EventKind(enum.Enum):
     RECOVERED = "recovered"            # a quarantined child answered again
     REPLACED = "replaced"              # a worker's process replaced in place: a call froze
                                        # or killed it (erlay.supervisor.worker_process)
+    SAVE_FAILED = "save_failed"        # a child's checkpoint save was given up (its writer
+                                       # made no progress, or failed); the child runs on
 
 
 _LEVELS = {EventKind.START: logging.INFO, EventKind.SHUTDOWN: logging.INFO,
            EventKind.RECOVERED: logging.INFO, EventKind.RESTART: logging.WARNING,
            EventKind.EXIT: logging.WARNING, EventKind.QUARANTINE: logging.WARNING,
-           EventKind.REPLACED: logging.WARNING}
+           EventKind.REPLACED: logging.WARNING, EventKind.SAVE_FAILED: logging.WARNING}
 
 
 @dataclass(frozen=True)

@@ -288,8 +288,9 @@ class RolloutCoordinator:
                 n += 1
         finally:
             await _cancel(generation.values())
-        await self._learner_call("wait_checkpoints",
-                                 all_ranks=self.cfg.learner.backend != "replicated")
+        waited = await self._learner_call("wait_checkpoints",
+                                          all_ranks=self.cfg.learner.backend != "replicated")
+        self._saves_failed((waited or {}).get("failed") or [])
         self.job.completed_steps = n
         self.progress.end()
 
@@ -389,7 +390,21 @@ class RolloutCoordinator:
         self.report({"phase": "checkpoint", "step": result["step"],
                      "exposed_s": round(float(result["exposed_s"]), 6),
                      "committed": result.get("committed"), "journal_snapshot": snapshot})
+        self._saves_failed(result.get("failed") or [])
         return float(result["exposed_s"])
+
+    def _saves_failed(self, failed: list[dict[str, Any]]) -> None:
+        """Record each checkpoint save the learner gave up on (its writer made no progress
+        for ``checkpoint.deadline_s``, or failed): a ``checkpoint_failed`` metrics record,
+        a ``save_failed`` event of the learner, and the telemetry counter.  Training goes on
+        from the newest committed checkpoint; the next save starts a new writer."""
+        for save in failed:
+            log.warning("checkpoint of step %s failed: %s", save.get("step"), save.get("reason"))
+            self.report({"phase": "checkpoint_failed", "step": save.get("step"),
+                         "reason": save.get("reason")})
+            saved_failed = getattr(self.job, "checkpoint_failed", None)
+            if saved_failed is not None:
+                saved_failed(int(save.get("step") or 0), str(save.get("reason")))
 
     async def _generate_step(self, n: int) -> tuple[list[Trajectory], Window]:
         """All rollouts of step ``n``: ``prompts_per_step`` groups of ``group_size``, each

@@ -203,6 +203,14 @@ class Job:
         down as if training had ended, and :meth:`run` reports the failure."""
         self.abort_reason = reason
 
+    def checkpoint_failed(self, step: int, reason: str) -> None:
+        """Called by the coordinator for a learner save given up: one ``save_failed`` event
+        of the learner (events.jsonl, the log, OpenTelemetry) and the failure counter."""
+        self.events.emit(SupervisorEvent(f"{ROOT}/learner", "learner-0", EventKind.SAVE_FAILED,
+                                         f"checkpoint of step {step}: {reason}", 0,
+                                         time.time()))
+        self.telemetry.checkpoint_failed()
+
     def report_metrics(self, record: dict[str, Any]) -> None:
         """Called by the coordinator: one line in metrics.jsonl, one update of the bar."""
         # started_at: the wall clock of `time` 0, so reports can place events on steps

@@ -53,6 +53,7 @@ SANDBOX_OUTCOMES = "erlay_sandbox_outcomes_total"
 JUDGE_FAILURES = "erlay_judge_failures_total"
 TIME_LOST = "erlay_time_lost_seconds_total"
 POISON = "erlay_poison_inputs_total"
+CHECKPOINT_FAILURES = "erlay_checkpoint_failures_total"
 GOODPUT = "erlay_goodput_tokens_per_second"
 TIME_EFFICIENCY = "erlay_time_efficiency_ratio"
 ROLLOUTS_PER_S = "erlay_rollouts_per_second"
@@ -63,7 +64,8 @@ EXPORT_PREFIX = "ray_"
 
 COUNTERS = {"rollouts": ROLLOUTS, "tokens": TOKENS, "restarts": RESTARTS,
             "sandbox_outcomes": SANDBOX_OUTCOMES, "judge_failures": JUDGE_FAILURES,
-            "time_lost": TIME_LOST, "poison": POISON}
+            "time_lost": TIME_LOST, "poison": POISON,
+            "checkpoint_failures": CHECKPOINT_FAILURES}
 """Each counter instrument's Prometheus name (without the prefix)."""
 
 # The closed label sets each counter is exported with at 0 from the job's start, so that a
@@ -82,9 +84,10 @@ JUDGE_FAILURE_KINDS = ("timeout", "exception", "bad_return", "poison", "unavaila
 
 def zero_series(domains: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
     """Every (counter, tags) series the job exports at 0 when it starts (``run`` aside):
-    rollouts, tokens and poison inputs; restarts per domain and cause; time lost per domain;
-    sandbox outcomes and judge failures per kind."""
-    out: list[tuple[str, dict[str, str]]] = [("rollouts", {}), ("tokens", {}), ("poison", {})]
+    rollouts, tokens, poison inputs and failed checkpoint saves; restarts per domain and
+    cause; time lost per domain; sandbox outcomes and judge failures per kind."""
+    out: list[tuple[str, dict[str, str]]] = [("rollouts", {}), ("tokens", {}), ("poison", {}),
+                                             ("checkpoint_failures", {})]
     out += [("restarts", {"domain": d, "cause": c}) for d in domains for c in RESTART_CAUSES]
     out += [("time_lost", {"domain": d}) for d in domains]
     out += [("sandbox_outcomes", {"kind": k}) for k in SANDBOX_OUTCOME_KINDS]
@@ -104,6 +107,7 @@ class _Instruments:
     judge_failures: Any
     time_lost: Any
     poison: Any
+    checkpoint_failures: Any
     goodput: Any
     time_efficiency: Any
     rollouts_per_s: Any
@@ -132,6 +136,8 @@ def _build_instruments() -> _Instruments:
         time_lost=counter(TIME_LOST, "Seconds of progress lost to failures.", "domain"),
         poison=counter(POISON, "Samples that met a poison input: a call that killed its "
                        "worker (or host) twice, not tried again."),
+        checkpoint_failures=counter(CHECKPOINT_FAILURES, "Checkpoint saves given up: the "
+                                    "writer made no progress, or failed."),
         goodput=gauge(GOODPUT, "Tokens of trained samples per second of wall time."),
         time_efficiency=gauge(TIME_EFFICIENCY,
                               "Share of RL wall time not lost to failures (0..1)."),
@@ -230,6 +236,10 @@ class RayMetrics:
     def poison(self, n: int) -> None:
         """Count ``n`` samples that met a poison input (``erlay_poison_inputs_total``)."""
         self._inc("poison", n)
+
+    def checkpoint_failure(self) -> None:
+        """Count one checkpoint save given up (``erlay_checkpoint_failures_total``)."""
+        self._inc("checkpoint_failures", 1)
 
     def goodput(self, tokens_per_s: float) -> None:
         """Set goodput, trained tokens per second (``erlay_goodput_tokens_per_second``)."""

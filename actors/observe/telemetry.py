@@ -71,7 +71,7 @@ def step_time_lost(step_s: float, clean_steps_s: Sequence[float], failed: bool) 
 
 _OTEL_KEYS = {"rollouts": "rollouts", "tokens": "tokens", "restarts": "restarts",
               "time_lost": "lost", "sandbox_outcomes": "sandbox", "judge_failures": "judge",
-              "poison": "poison"}
+              "poison": "poison", "checkpoint_failures": "checkpoint_failures"}
 """The OpenTelemetry counter of each :func:`~erlay.actors.observe.metrics.zero_series`
 name."""
 
@@ -178,7 +178,8 @@ class JobTelemetry:
                     "sandbox": ("erlay.sandbox.outcomes", "1"),
                     "judge": ("erlay.judge.failures", "1"),
                     "lost": ("erlay.time_lost", "s"),
-                    "poison": ("erlay.poison_inputs", "1")}
+                    "poison": ("erlay.poison_inputs", "1"),
+                    "checkpoint_failures": ("erlay.checkpoint.failures", "1")}
         for key, (name, unit) in counters.items():
             self._instruments[key] = meter.create_counter(name, unit=unit)
         for series, tags in zero_series(DOMAINS):  # every series exported from the start
@@ -257,6 +258,11 @@ class JobTelemetry:
             self._sandbox_outcomes[kind] += 1
         self._add("sandbox", 1, kind=kind)
         self._ray("sandbox_outcome", kind)
+
+    def checkpoint_failed(self) -> None:
+        """One checkpoint save given up by the learner."""
+        self._add("checkpoint_failures", 1)
+        self._ray("checkpoint_failure")
 
     def judge_failure(self, kind: str) -> None:
         self._add("judge", 1, kind=kind)

@@ -38,7 +38,7 @@ def test_the_label_sets_are_their_sources() -> None:
     assert runner_kinds | set(USER_ERROR_KINDS) | {"unavailable"} <= set(JUDGE_FAILURE_KINDS)
     series = zero_series(DOMAINS)
     assert {name for name, _ in series} == set(COUNTERS)
-    assert len(series) == 3 + 6 * 5 + 6 + 9 + 8 and len({repr(s) for s in series}) == len(series)
+    assert len(series) == 4 + 6 * 5 + 6 + 9 + 8 and len({repr(s) for s in series}) == len(series)
 
 
 class RayLikeCounter:
