@@ -379,9 +379,11 @@ class DomainFlags(Section):
                           "period)")
     heartbeat_s: float = Field(5.0, gt=0, description="how often the domain's supervisor "
                                "asks each child (actor, host, subprocess) for a heartbeat")
-    heartbeat_misses: int = Field(3, ge=1, description="heartbeats missed in a row that make "
-                                  "a child hung (killed and restarted): a frozen child is "
-                                  "found within heartbeat_s x (heartbeat_misses + 1)")
+    heartbeat_misses: int = Field(3, ge=1, description="the heartbeat periods a child may stay "
+                                  "silent, counted from its last answer, before it is hung "
+                                  "(killed and restarted): a frozen child is found more than "
+                                  "heartbeat_s x (heartbeat_misses - 1) and at most "
+                                  "heartbeat_s x (heartbeat_misses + 1) after it froze")
 
 
 class SupervisionSection(Section):
@@ -429,6 +431,17 @@ class JobConfig(Section):
         if self.engine.spec_k > self.model.mtp_heads:
             raise ValueError(f"engine.spec_k {self.engine.spec_k} needs at least that many "
                              f"MTP heads; model.mtp_heads is {self.model.mtp_heads}")
+        return self
+
+    @model_validator(mode="after")
+    def _learner_outwaits_its_checkpoint_writer(self) -> JobConfig:
+        # A save waits out a stuck writer for up to checkpoint.deadline_s; a learner call
+        # with a shorter deadline would be presumed hung meanwhile and its rank restarted.
+        if self.learner.call_timeout_s <= self.checkpoint.deadline_s:
+            raise ValueError(f"learner.call_timeout_s ({self.learner.call_timeout_s:g}) must "
+                             f"be longer than checkpoint.deadline_s "
+                             f"({self.checkpoint.deadline_s:g}): a save may wait that long "
+                             "for a stuck writer to be given up")
         return self
 
     @model_validator(mode="after")

@@ -238,13 +238,16 @@ class SupervisorFlags:
 @dataclass(frozen=True)
 class Liveness:
     """A heartbeat: every ``period_s`` the supervisor asks the child for its progress, with
-    ``period_s`` to answer; ``misses`` heartbeats in a row without an answer make it hung.
+    ``period_s`` to answer; a child that has answered none for longer than
+    ``period_s * misses`` is hung.
 
     The answer comes from erlay's own methods on the child (the actor's event loop or its
     monitor thread, the host's loop, the subprocess's run state), never from the user's
     class, so any child is covered: a frozen process (SIGSTOP), a blocked event loop, a
-    process wedged in C code holding the GIL.  Detection takes ``period_s * misses`` plus at
-    most one period.
+    process wedged in C code holding the GIL.  Detection takes more than
+    ``period_s * (misses - 1)`` and at most ``period_s * (misses + 1)`` after the child froze
+    (the silence counts from its last answer), plus the supervisor loop's lateness
+    (``bench/supervision.py``'s ``frozen_detect_ms``).
     """
 
     period_s: float = 5.0

@@ -123,3 +123,10 @@ def test_every_option_is_described_in_the_configuration_page() -> None:
     from erlay.actors.config_reference import render
     undescribed = [line for line in render().splitlines() if line.endswith("|  |")]
     assert undescribed == []
+
+
+def test_a_learner_call_deadline_shorter_than_the_checkpoint_writers_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"learner\.call_timeout_s \(200\) must be longer "
+                                          r"than checkpoint\.deadline_s \(300\)"):
+        load_config(None, ["learner.call_timeout_s=200"])
+    assert load_config(None, ["learner.call_timeout_s=200", "checkpoint.deadline_s=100"])
