@@ -32,6 +32,7 @@ a busy worker is watched by its call's deadline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import os
@@ -87,12 +88,14 @@ class CallOutcome:
 @dataclass(frozen=True)
 class WorkerCall:
     """One call for a host's worker processes: ``method(*args, **kwargs)`` under
-    ``timeout_s`` (None: the worker's ``call_timeout_s``)."""
+    ``timeout_s`` (None: the worker's ``call_timeout_s``).  ``label`` names the call in
+    events, logs and ``erlay status`` (default: ``method``)."""
 
     method: str
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
+    label: str = ""
 
 
 class _Proc:
@@ -163,7 +166,9 @@ class WorkerProcess:
         host_end, child_end = socket.socketpair()
         env = {**spec.env, FD_VAR: str(child_end.fileno()), "ERLAY_CHILD_PATH": self.path}
         if ARMED:
-            env[failpoints.ENV_VAR] = failpoints.env_value(ARMED)
+            env[failpoints.ENV_VAR] = failpoints.env_value(
+                {name: _own_seed(spec, f"{self.path}#{self.replaced}")
+                 for name, spec in ARMED.items()})
         try:
             popen = self.keeper.spawn([sys.executable, "-m", "erlay.supervisor.worker_main"],
                                       env=env, pass_fds=(child_end.fileno(),),
@@ -257,14 +262,14 @@ class WorkerProcess:
     # ---------------------------------------------------------------- calls
     async def call(self, method: str, args: tuple[Any, ...] = (),
                    kwargs: dict[str, Any] | None = None, *,
-                   timeout_s: float | None = None) -> CallOutcome:
+                   timeout_s: float | None = None, label: str = "") -> CallOutcome:
         """Run ``method`` in the worker process; see :class:`CallOutcome`.  One call at a
         time: a second caller waits (the host's dispatcher avoids that by reading
         ``busy``).  Never raises for anything the worker does."""
         timeout = self.spec.call_timeout_s if timeout_s is None else timeout_s
         self.busy = True
         try:
-            outcome = await self._call(method, args, kwargs or {}, timeout)
+            outcome = await self._call(method, args, kwargs or {}, timeout, label or method)
         except asyncio.CancelledError:
             # The caller gave up (its own deadline, a shutdown) while the process may be
             # mid-call: its late reply would answer the next call.  Kill it; a replacement
@@ -286,12 +291,12 @@ class WorkerProcess:
         return outcome
 
     async def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    timeout: float) -> CallOutcome:
+                    timeout: float, label: str) -> CallOutcome:
         proc = self._proc
         if proc is None or self._exit.done() or proc.exited.done():
             return CallOutcome("lost", detail=f"{self.path} is not running", worker=self.path)
         call_id = next(self._ids)
-        self._working = method
+        self._working = label
         self._counter += 1
         try:
             await proc.send(("call", call_id, method, args, kwargs))
@@ -304,12 +309,12 @@ class WorkerProcess:
                 self._end(ExitReason(ExitKind.HANG, "its process was stopped (SIGSTOP)"))
                 return CallOutcome("lost", detail=f"{self.path} was stopped under the call",
                                    worker=self.path)
-            await self._replace(proc, f"{method} gave no answer within {timeout:g} s")
+            await self._replace(proc, f"{label} gave no answer within {timeout:g} s")
             return CallOutcome("timeout", detail=f"no answer within {timeout:g} s",
                                worker=self.path)
         except (ProcessExited, ConnectionError, asyncio.IncompleteReadError):
             reason = await asyncio.shield(proc.exited)
-            await self._replace(proc, f"it died under {method} ({reason})")
+            await self._replace(proc, f"it died under {label} ({reason})")
             return CallOutcome("died", detail=f"the worker process died under the call "
                                f"({reason})", worker=self.path)
         if reply[0] != "reply" or reply[1] != call_id:
@@ -407,6 +412,16 @@ class WorkerProcess:
                 "replaced": self.replaced, "pid": self.pid}
 
 
+def _own_seed(spec: dict[str, Any], process: str) -> dict[str, Any]:
+    """``spec`` with a seed of this process's own, drawn from its seed and ``process``: a
+    replacement that replayed its predecessor's draws would fail at the same call again, and
+    a seeded share of failures would become one failure every few calls."""
+    if spec.get("seed") is None:
+        return spec
+    digest = hashlib.blake2b(f"{spec['seed']}:{process}".encode(), digest_size=4).digest()
+    return {**spec, "seed": int.from_bytes(digest, "big")}
+
+
 class WorkerPool:
     """Hands the worker processes of one host to calls, first come first served.
 
@@ -429,7 +444,7 @@ class WorkerPool:
                                f"{queue_timeout_s:g} s")
         try:
             return await worker.call(call.method, call.args, dict(call.kwargs),
-                                     timeout_s=call.timeout_s)
+                                     timeout_s=call.timeout_s, label=call.label)
         finally:
             self._release(worker)
 

@@ -118,7 +118,8 @@ class EnvironmentClient:
 
     async def _attempts(self, method: str, args: tuple[Any, ...]) -> PluginReply | UserError:
         """The call's reply, or its user error, after the retries the table above allows."""
-        call = WorkerCall("call", (self.which, method, args), timeout_s=self.timeout_s)
+        call = WorkerCall("call", (self.which, method, args), timeout_s=self.timeout_s,
+                          label=f"{self.plugin}.{method}")
         give_up = time.monotonic() + self.unavailable_s
         deaths: list[str] = []
         while True:

@@ -84,7 +84,8 @@ class JudgeClient:
 
     async def _judgement(self, key: str, judge_input: str, answer: str,
                          trace: dict[str, str] | None) -> Judgement:
-        call = WorkerCall("score", (judge_input, answer, key, trace), timeout_s=self.timeout_s)
+        call = WorkerCall("score", (judge_input, answer, key, trace), timeout_s=self.timeout_s,
+                          label=f"{self.judge_path}.score {key}")
         deaths: list[str] = []
         lost = 0
         while True:
