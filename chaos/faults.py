@@ -17,7 +17,8 @@ from erlay.supervisor.errors import ErlayError
 KINDS = ("sigkill", "sigstop", "sigterm", "ray_kill", "node_loss", "failpoint",
          "sandbox_attack", "judge_fault", "slow_checkpoint", "driver_kill", "delay",
          "user_error", "partial")
-DOMAINS = ("learner", "generation", "sandbox", "judge", "rollout", "node", "driver")
+DOMAINS = ("learner", "generation", "sandbox", "judge", "environment", "rollout", "node",
+           "driver")
 # restart:    the target's supervisor must see an exit or hang of the target and restart it;
 # absorbed:   no restart is expected (hostile sandbox code, a judge returning garbage, a delay);
 # escalation: the domain must give up (restart intensity exceeded) and escalate.

@@ -23,7 +23,7 @@ from erlay.chaos.faults import FaultRecord
 from erlay.chaos.observation import RunObservation
 from erlay.supervisor.events import read_events
 
-DOMAINS = ("learner", "generation", "sandbox", "judge", "rollout")
+DOMAINS = ("learner", "generation", "sandbox", "judge", "environment", "rollout")
 
 
 def checkpoint_problems(root: Path) -> list[tuple[int, str | None]]:

@@ -36,8 +36,12 @@ FAILPOINT_HOMES = {
     "generation.decode_step": "erlay/generation/engine-*",
     "generation.weight_update": "erlay/generation/engine-*",
     "sandbox.exec": "erlay/sandbox/host@*",
+    # The judge's and the environment's code runs in worker processes of their hosts: a
+    # host armed arms its workers (erlay.supervisor.host.NodeHost.erlay_failpoints_changed).
     "judge.score": "erlay/judge/host@*",
     "judge.verdict": "erlay/judge/host@*",
+    "judge.user_code": "erlay/judge/host@*",
+    "environment.call": "erlay/environment/host@*",
     "learner.train_step": "erlay/learner/learner-*",
     "learner.checkpoint": "erlay/learner/learner-0",
     "learner.checkpoint_before_swap": "erlay/learner/learner-0",
@@ -206,7 +210,9 @@ class Injector:
             return self._record("failpoint", "erlay/rollout/coordinator"
                                 if name.startswith("rollout.") else "driver", expect, detail)
         assert self.job.tree is not None
-        targets = sorted(p for p in tree_paths(self.job) if fnmatch.fnmatchcase(p, where))
+        # Actors only: a worker process of a host is armed through its host.
+        targets = sorted(p for p in tree_paths(self.job)
+                         if fnmatch.fnmatchcase(p, where) and _hosted(p) is None)
         if not targets:
             raise LookupError(f"no running child matches {where!r}")
         for path in targets:
@@ -229,22 +235,24 @@ class Injector:
         return record
 
     def user_error(self, plugin: str, mode: str, probability: float = 1.0,
-                   count: int | None = None, seed: int | None = None) -> FaultRecord:
-        """The user's own code fails: the environment's calls (in this driver, where the
-        coordinator runs them) or the judge's ``score`` (in every judge host) raise, hang
-        or return garbage, on a share ``probability`` of calls."""
-        action = {"raise": "raise", "hang": "hang", "bad_return": "corrupt"}[mode]
+                   count: int | None = None, seed: int | None = None,
+                   freeze_s: float = 300.0) -> FaultRecord:
+        """The user's own code fails: the environment's calls or the judge's ``score``, in
+        the worker processes of every environment or judge host, raise, hang, return
+        garbage or freeze their process (hold the GIL for ``freeze_s``), on a share
+        ``probability`` of calls.  A ``count`` counts per worker process, and a process
+        started later is armed only when there is none (see ``NodeHost``)."""
+        action = {"raise": "raise", "hang": "hang", "bad_return": "corrupt",
+                  "freeze": "freeze"}[mode]
         spec: dict[str, Any] = {"action": action}
+        if mode == "freeze":
+            spec["delay_s"] = freeze_s
         if probability < 1:
             spec.update(probability=probability, seed=seed if seed is not None else 0)
         if count is not None:
             spec["count"] = count
-        if plugin == "environment":
-            record = self.failpoint("environment.call", spec, "driver", expect="absorbed")
-            record = _replace(record, target="erlay/rollout/coordinator", domain="rollout")
-        else:
-            record = self.failpoint("judge.user_code", spec, "erlay/judge/host@*",
-                                    expect="absorbed")
+        name = "environment.call" if plugin == "environment" else "judge.user_code"
+        record = self.failpoint(name, spec, FAILPOINT_HOMES[name], expect="absorbed")
         self.records[-1] = record = _replace(record, kind="user_error",
                                              detail=f"{plugin} {mode} {spec}")
         return record

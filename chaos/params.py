@@ -11,7 +11,8 @@ Fault kinds, by level:
   ``driver_kill``;
 - code: ``failpoint`` (any named failpoint), ``delay`` (slow calls at a domain's work),
   ``slow_checkpoint``, ``judge_fault``;
-- user code: ``user_error`` (the environment or the judge raises, hangs or returns garbage),
+- user code: ``user_error`` (the environment or the judge raises, hangs, returns garbage,
+  or freezes its process holding the GIL),
   ``partial`` (a judge or sandbox fails a given fraction of calls), ``sandbox_attack``
   (hostile code as a tool call).
 """
@@ -69,23 +70,22 @@ ATTACKS: dict[str, str] = {
 # driver (the coordinator is in-process), so a signal there is a driver kill: use
 # driver_kill, or the rollout.dispatch failpoint for a coordinator crash.
 INJECT_DOMAINS: dict[str, tuple[str, ...]] = {
-    "sigkill": ("learner", "generation", "sandbox", "judge"),
-    "sigstop": ("learner", "generation", "sandbox", "judge"),
-    "sigterm": ("learner", "generation", "sandbox", "judge"),
-    "ray_kill": ("learner", "generation", "sandbox", "judge"),
+    "sigkill": ("learner", "generation", "sandbox", "judge", "environment"),
+    "sigstop": ("learner", "generation", "sandbox", "judge", "environment"),
+    "sigterm": ("learner", "generation", "sandbox", "judge", "environment"),
+    "ray_kill": ("learner", "generation", "sandbox", "judge", "environment"),
     "sandbox_attack": ("sandbox",),
     "judge_fault": ("judge",),
     "slow_checkpoint": ("learner",),
-    "delay": ("learner", "generation", "sandbox", "judge"),
+    "delay": ("learner", "generation", "sandbox", "judge", "environment"),
     "partial": ("sandbox", "judge"),
 }
-# The plug-ins a user_error may hit: the environment runs in the driver (the rollout
-# domain's coordinator calls it), the judge in the judge hosts.
-PLUGINS: dict[str, str] = {"environment": "rollout", "judge": "judge"}
+# The plug-ins a user_error may hit, and the domain whose worker processes run them.
+PLUGINS: dict[str, str] = {"environment": "environment", "judge": "judge"}
 # Where a delay lands when its params name no failpoint: the work each domain does.
 DELAY_SITES: dict[str, str] = {"generation": "generation.decode_step",
                                "learner": "learner.train_step", "sandbox": "sandbox.exec",
-                               "judge": "judge.score"}
+                               "judge": "judge.score", "environment": "environment.call"}
 # Progress phases a signal may wait for (``params.during``), by domain: the phases whose
 # deadlines the job arms (actors/job/driver.py) plus the engine's weight update.
 PHASES: dict[str, tuple[str, ...]] = {
@@ -177,8 +177,10 @@ class DelayParams(_Model):
 
 
 class UserErrorParams(_Model):
-    mode: Literal["raise", "hang", "bad_return"] = Field(description="how the user's code "
-                                                         "fails")
+    mode: Literal["raise", "hang", "bad_return", "freeze"] = Field(
+        description="how the user's code fails; freeze: it holds the GIL (a catastrophic "
+        "regex, a C loop) for freeze_s, stopping its whole process")
+    freeze_s: float = Field(300.0, gt=0, description="freeze: how long the GIL is held")
     probability: float = Field(1.0, gt=0, le=1, description="share of calls that fail")
     count: int | None = Field(None, ge=1, description="calls that fail at most")
     seed: int | None = Field(None, description="seed of the random draws")
@@ -218,7 +220,10 @@ def default_expect(inject: str, params: dict[str, Any]) -> Expect:
         case "failpoint":
             return "absorbed" if params["spec"]["action"] in ("delay", "corrupt") else "restart"
         case "judge_fault":
-            return "absorbed" if params["mode"] == "garbage" else "restart"
+            # raise: the worker's own code crashes it (restarted, the judgement retried);
+            # hang: the judgement's deadline kills its process, replaced in place, and the
+            # sample fails as a timeout; garbage: a marked sample.
+            return "restart" if params["mode"] == "raise" else "absorbed"
         case "sandbox_attack" | "slow_checkpoint" | "driver_kill":
             return "absorbed"
     raise AssertionError(f"no default expectation for {inject!r}")

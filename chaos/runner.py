@@ -350,7 +350,8 @@ def inject_one(injector: Injector, spec: FaultSpec) -> FaultRecord:
         case "user_error":
             return injector.user_error(spec.target, params["mode"],
                                        float(params.get("probability", 1.0)),
-                                       params.get("count"), params.get("seed"))
+                                       params.get("count"), params.get("seed"),
+                                       float(params.get("freeze_s", 300.0)))
         case "partial":
             return injector.partial(spec.target, float(params["fraction"]),
                                     int(params.get("seed", 0)))

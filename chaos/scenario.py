@@ -367,10 +367,12 @@ def resolve_config(config: str | Path) -> Path:
 
 def job_tree_paths(job: JobConfig, nodes: int = 1) -> list[str]:
     """The paths of the children a fault may hit, as ``actors/job.py`` builds the tree:
-    learner ranks, engines, one sandbox and one judge host per node, and the coordinator."""
+    learner ranks, engines, one sandbox, one judge and one environment host per node, and
+    the coordinator."""
     return ([f"{ROOT}/learner/learner-{r}" for r in range(job.learner.num_ranks)]
             + [f"{ROOT}/generation/engine-{i}" for i in range(job.engine.num_engines)]
-            + [f"{ROOT}/{d}/host@node-{i}" for d in ("sandbox", "judge") for i in range(nodes)]
+            + [f"{ROOT}/{d}/host@node-{i}" for d in ("sandbox", "judge", "environment")
+               for i in range(nodes)]
             + [f"{ROOT}/rollout/coordinator"])
 
 
@@ -383,8 +385,8 @@ def _failpoint_domain(name: str) -> str:
     """Where failpoint ``name``'s code runs when no ``in`` says: its prefix names the domain
     (``judge.score``), except ``host.spawn``, in every host, for which it is the sandbox."""
     prefix = name.split(".")[0]
-    return prefix if prefix in ("generation", "sandbox", "judge", "learner", "rollout") \
-        else "sandbox"
+    return prefix if prefix in ("generation", "sandbox", "judge", "learner", "rollout",
+                                "environment") else "sandbox"
 
 
 def _check_tree_path(value: str, domains: tuple[str, ...]) -> None:
@@ -402,7 +404,7 @@ def _check_failpoint_site(where: str, name: str) -> None:
                              "driver", where)])
         return
     domain = _failpoint_domain(name)
-    allowed = ("sandbox", "judge") if name == "host.spawn" else (domain,)
+    allowed = ("sandbox", "judge", "environment") if name == "host.spawn" else (domain,)
     if domain == "rollout":
         raise invalid([(("in",), "expected 'driver' or nothing: the coordinator runs in the "
                          "driver process", where)])

@@ -27,8 +27,8 @@ REQUIRED = ("engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
             "coordinator-crash", "sandbox-attacks", "mixed-soak", "kill-during-weight-update",
             "engine-hang", "sandbox-host-lost", "node-loss", "driver-kill-resume",
             "crash-loop")
-SMOKE = {"engine-kill", "learner-kill", "judge-fault", "coordinator-crash", "crash-loop",
-         "host-sigstop"}
+SMOKE = {"engine-kill", "learner-kill", "judge-user-freeze", "env-user-freeze",
+         "coordinator-crash", "crash-loop", "host-sigstop"}
 LEARNER_KILL = {"inject": "sigkill", "target": "erlay/learner/learner-0", "at": 1}
 
 
@@ -321,7 +321,10 @@ def test_user_error_targets_a_plugin_and_defaults_to_absorbed() -> None:
                                      "params": {"mode": "hang", "count": 2}})
     assert spec.expect == "absorbed" and spec.domain == "judge"
     assert FaultSpec.model_validate({"inject": "user_error", "target": "environment", "at": 1,
-                                     "params": {"mode": "raise"}}).domain == "rollout"
+                                     "params": {"mode": "raise"}}).domain == "environment"
+    freeze = FaultSpec.model_validate({"inject": "user_error", "target": "environment",
+                                       "at": 1, "params": {"mode": "freeze", "count": 1}})
+    assert freeze.expect == "absorbed" and freeze.params["freeze_s"] == 300.0
     with pytest.raises(ValueError, match="environment, judge"):
         FaultSpec.model_validate({"inject": "user_error", "target": "sandbox", "at": 1,
                                   "params": {"mode": "raise"}})

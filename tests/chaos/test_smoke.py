@@ -33,7 +33,7 @@ def no_ray() -> Iterator[None]:
 def test_the_smoke_subset_covers_every_domain_and_an_escalation() -> None:
     scenarios = [load_scenario(name) for name in SMOKE]
     domains = {f.domain for s in scenarios for f in s.faults}
-    assert {"generation", "learner", "sandbox", "judge", "rollout"} <= domains
+    assert {"generation", "learner", "sandbox", "judge", "environment", "rollout"} <= domains
     assert any(s.expect == "escalation" for s in scenarios)
 
 
@@ -70,5 +70,15 @@ def test_smoke_scenario_holds_its_invariants(name: str, tmp_path: Path, no_ray: 
         # "0 tool calls" (host-sigstop did, with a 10-step warm start, until 2026-12-02).
         calls = [key for kind, key, _ in result.run.observation.tool_events if kind == "call"]
         assert calls, "the sandbox fault met a job that made no tool calls"
+    if any(f.inject == "user_error" for f in scenario.faults):
+        # The user's code failing proves the domain absorbs it only where it failed: the
+        # failed samples are the evidence (a judgement marked of the judge's own cause, an
+        # environment call failed), and a worker process replaced for each freeze.
+        steps = result.run.run_dir.rl_steps()
+        failed = sum(int(m.get("judge_own", 0)) + int(m.get("user_errors", 0)) for m in steps)
+        assert failed, "the user_error fault failed no sample: it never fired"
+        if any(f.params.get("mode") == "freeze" for f in scenario.faults):
+            events = result.run.run_dir.events.read_text()
+            assert '"context": "replaced"' in events, "no frozen worker process was replaced"
     json_path, md_path = result.report_paths
     assert json_path.exists() and "## " in md_path.read_text()
