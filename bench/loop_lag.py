@@ -38,7 +38,6 @@ import asyncio
 import json
 import logging
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -46,15 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runstats import spread  # noqa: E402
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
 
-from erlay.actors.config import load_config  # noqa: E402
-from erlay.actors.job.driver import Job  # noqa: E402
-from erlay.actors.rundir import RunDir  # noqa: E402
-from erlay.supervisor.failpoints import hold_gil  # noqa: E402
-from erlay.supervisor.raylocal import shutdown_ray  # noqa: E402
-from erlay.supervisor.tree import SupervisionTree  # noqa: E402
+from erlay.actors.config import load_config
+from erlay.actors.job.driver import Job
+from erlay.actors.rundir import RunDir
+from erlay.supervisor.failpoints import hold_gil
+from erlay.supervisor.raylocal import shutdown_ray
+from erlay.supervisor.tree import SupervisionTree
 
 ROOT = Path(__file__).resolve().parents[1]
 PERIOD_S = 0.010

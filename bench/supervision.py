@@ -83,8 +83,10 @@ from erlay.supervisor.spec import (
     SubprocessStart,
     SupervisorFlags,
     SupervisorStart,
+    WorkerStart,
 )
 from erlay.supervisor.tree import SupervisionTree
+from erlay.supervisor.worker_process import CallOutcome, WorkerCall
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runstats import spread  # bench/ (a script's own folder is on sys.path)
@@ -164,25 +166,40 @@ class ComponentActor:
 
 @dataclass(frozen=True)
 class Domain:
-    """One fault domain's hosted components on one node, as the job lays them out."""
+    """One fault domain's hosted components on one node, as the job lays them out: in the
+    host's process (``worker=False``: the sandbox's workers) or each in a worker process of
+    the host (``worker=True``: the judge's and the environment's, user code).  ``probe`` is
+    the method a started component answers."""
 
     name: str           # the template id: workers are <name>-1..N
     factory: str
     args: tuple[Any, ...]
     instances: tuple[tuple[Any, ...], ...]
+    worker: bool = False
+    probe: str = "stats"
+
+    def child(self) -> ChildSpec:
+        start = WorkerStart(self.factory, args=self.args) if self.worker \
+            else InProcessStart(self.factory, args=self.args)
+        return ChildSpec(self.name, start)
 
 
 def shipped_domains(workers: int | None = None) -> list[Domain]:
     """The hosted domains of the default config, as ``actors/job/driver.py`` builds them
     for node 0; ``workers`` overrides the workers per domain."""
     from erlay.actors.config import load_config
+    from erlay.actors.job.env_worker import EnvironmentSpec
     cfg = load_config(str(SHIPPED_CONFIG), [])
     ns, nj = workers or cfg.sandbox.workers_per_node, workers or cfg.judge.workers_per_node
+    ne = workers or cfg.environment.workers_per_node
     return [Domain("sandbox", "erlay.sandbox.worker:SandboxWorker",
                    (dict(cfg.sandbox.limits),), tuple((s,) for s in range(ns))),
-            Domain("judge", "erlay.judges.worker:JudgeWorker",
-                   (cfg.judge.cls, dict(cfg.judge.kwargs), cfg.judge.timeout_s),
-                   tuple(() for _ in range(nj)))]
+            Domain("judge", "erlay.judges.server:JudgeServer",
+                   (cfg.judge.cls, dict(cfg.judge.kwargs)), tuple(() for _ in range(nj)),
+                   worker=True),
+            Domain("environment", "erlay.actors.job.env_worker:EnvironmentServer",
+                   (EnvironmentSpec(cfg.environment.cls, dict(cfg.environment.kwargs)),),
+                   tuple(() for _ in range(ne)), worker=True, probe="describe")]
 
 
 def sup(cid: str, *children: ChildSpec, flags: SupervisorFlags = LOOSE) -> ChildSpec:
@@ -220,18 +237,25 @@ def _teardown(tree: SupervisionTree, pids: set[int]) -> None:
 def time_hosted_start(name: str, domains: list[Domain]) -> float:
     """Seconds from issuing the hosts' starts until every hosted component answered."""
     import ray
-    units = [host_spec(f"{d.name}-0", POOL, (ChildSpec(d.name, InProcessStart(d.factory,
-                                                                          args=d.args)),),
-                       node_id=local_node_id(), instances=d.instances, shutdown="brutal_kill")
+    units = [host_spec(f"{d.name}-0", POOL, (d.child(),), node_id=local_node_id(),
+                       instances=d.instances, shutdown="brutal_kill")
              for d in domains]
     tree, issued = _start_all(name, units)
     hosts = [tree.ref(f"{name}/u{i}/{u.id}") for i, u in enumerate(units)]
-    answers = ray.get([h.call.remote(f"{d.name}-{k + 1}", "stats")
-                       for h, d in zip(hosts, domains, strict=True)
-                       for k in range(len(d.instances))])
+    pending = []
+    for h, d in zip(hosts, domains, strict=True):
+        if d.worker:   # one call per worker process: each free one takes one
+            pending.append(h.submit.remote([WorkerCall(d.probe)] * len(d.instances)))
+        else:
+            pending += [h.call.remote(f"{d.name}-{k + 1}", d.probe)
+                        for k in range(len(d.instances))]
+    answers: list[Any] = []
+    for answer in ray.get(pending):
+        answers += answer if isinstance(answer, list) else [answer]
     elapsed = time.perf_counter() - issued
     pids = set(ray.get([h.ping.remote() for h in hosts]))
     assert len(answers) == sum(len(d.instances) for d in domains) and len(pids) == len(hosts)
+    assert all(a.ok for a in answers if isinstance(a, CallOutcome)), answers
     _teardown(tree, pids)
     return elapsed
 
@@ -244,8 +268,9 @@ def time_actor_start(name: str, domains: list[Domain]) -> float:
                        shutdown="brutal_kill")
              for d in domains for k, inst in enumerate(d.instances)]
     tree, issued = _start_all(name, units)
-    answers = ray.get([tree.ref(f"{name}/u{i}/{u.id}").call.remote("stats")
-                       for i, u in enumerate(units)])
+    probes = [d.probe for d in domains for _ in d.instances]
+    answers = ray.get([tree.ref(f"{name}/u{i}/{u.id}").call.remote(probe)
+                       for i, (u, probe) in enumerate(zip(units, probes, strict=True))])
     elapsed = time.perf_counter() - issued
     pids = {pid for _, pid in answers}
     assert len(pids) == len(units), "one process per actor component"
@@ -476,8 +501,8 @@ def bench_idle_cpu(windows: int, seconds: float) -> tuple[list[dict[str, float]]
              sup("generation", ChildSpec("engine-0", ActorStart(Target),
                                          deadlines={"decode_step": 30.0}))]
     for d in shipped_domains():
-        units.append(sup(d.name, host_spec("node-0", POOL, (ChildSpec(d.name, InProcessStart(
-            d.factory, args=d.args)),), node_id=local_node_id(), instances=d.instances)))
+        units.append(sup(d.name, host_spec("node-0", POOL, (d.child(),),
+                                           node_id=local_node_id(), instances=d.instances)))
     tree = SupervisionTree("bidle", LOOSE, units).start()
     actors = {ray.get(tree.ref(p).pid.remote())
               for p in ("bidle/learner/learner-0", "bidle/generation/engine-0")}
