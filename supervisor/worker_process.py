@@ -148,6 +148,7 @@ class WorkerProcess:
         self._proc: _Proc | None = None
         self._stopping = False
         self._replacing: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()   # one message in flight: a call or a control
         self._counter = 0
         self._working: str | None = None
         self._exit: asyncio.Future[ExitReason] = asyncio.get_running_loop().create_future()
@@ -269,13 +270,15 @@ class WorkerProcess:
         timeout = self.spec.call_timeout_s if timeout_s is None else timeout_s
         self.busy = True
         try:
-            outcome = await self._call(method, args, kwargs or {}, timeout, label or method)
+            async with self._lock:   # a failpoint control message may hold the process
+                outcome = await self._call(method, args, kwargs or {}, timeout,
+                                           label or method)
         except asyncio.CancelledError:
-            # The caller gave up (its own deadline, a shutdown) while the process may be
-            # mid-call: its late reply would answer the next call.  Kill it; a replacement
-            # starts in the background and frees the worker when it is up.
+            # The caller gave up (its own deadline, a shutdown).  If the call was sent, the
+            # process may be mid-call and its late reply would answer the next call: kill
+            # it; a replacement starts in the background and frees the worker when it is up.
             proc = self._proc
-            if proc is not None and not self._stopping:
+            if self._working is not None and proc is not None and not self._stopping:
                 self._kill(proc)
                 self._replacing = asyncio.ensure_future(self._replace_then_free(proc))
                 self._working = None
@@ -332,20 +335,27 @@ class WorkerProcess:
 
     async def control(self, op: str, name: str | None = None,
                       spec: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """Apply a failpoint operation inside the worker process (chaos); None when it is
-        busy or not running (a later process gets :data:`ARMED` at its start)."""
-        proc = self._proc
-        if proc is None or self.busy or proc.exited.done():
-            return None
-        self.busy = True
+        """Apply a failpoint operation inside the worker process (chaos), once the call it
+        runs (if any) has ended; None when it is not running, or not free within its call
+        deadline and ten seconds (a later process gets :data:`ARMED` at its start)."""
         try:
-            await proc.send(("failpoints", op, name, spec))
-            reply = await asyncio.wait_for(self._recv_or_exit(proc), 5.0)
-            return reply[1] if reply[0] == "control" else None
+            async with asyncio.timeout(self.spec.call_timeout_s + 10.0), self._lock:
+                if self._replacing is not None:
+                    await asyncio.shield(self._replacing)
+                proc = self._proc
+                if proc is None or proc.exited.done() or self._exit.done():
+                    return None
+                await proc.send(("failpoints", op, name, spec))
+                try:
+                    reply = await asyncio.wait_for(self._recv_or_exit(proc), 5.0)
+                except TimeoutError:
+                    # Its late answer would be read as the next call's: end it.
+                    self._kill(proc)
+                    self._end(ExitReason(ExitKind.HANG, "no answer to a control message"))
+                    return None
+                return reply[1] if reply[0] == "control" else None
         except (TimeoutError, ProcessExited, ConnectionError, asyncio.IncompleteReadError):
             return None
-        finally:
-            self.busy = False
 
     def _end(self, reason: ExitReason) -> None:
         if not self._exit.done():

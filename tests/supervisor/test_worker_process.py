@@ -286,6 +286,23 @@ def test_failpoints_reach_inside_the_worker_process() -> None:
     assert "judge.user_code" in report["armed"] and "judge.user_code" in listed["armed"]
 
 
+def test_a_failpoint_armed_while_a_call_runs_reaches_the_process_after_it() -> None:
+    """Chaos arms a busy worker too: the control message waits for the call, never skips
+    the worker (a counted failpoint would never fire in it otherwise)."""
+    async def go() -> tuple[Any, Any]:
+        sup = make(worker_spec(call_timeout_s=5.0))
+        await sup.boot()
+        w = worker(sup)
+        busy = asyncio.ensure_future(w.call("sleep", (0.5,)))
+        await asyncio.sleep(0.1)
+        report = await w.control("arm", "judge.user_code", {"action": "raise", "count": 1})
+        done = await busy
+        await sup.shutdown()
+        return report, done
+    report, done = run(go)
+    assert done.value == "slept" and report is not None and "judge.user_code" in report["armed"]
+
+
 def test_stopping_the_supervisor_leaves_no_worker_process() -> None:
     keeper = ProcessKeeper()
 
