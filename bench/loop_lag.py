@@ -38,6 +38,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -45,14 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runstats import spread  # bench/ (a script's own folder is on sys.path)
-
 from erlay.actors.config import load_config
 from erlay.actors.job.driver import Job
 from erlay.actors.rundir import RunDir
 from erlay.supervisor.failpoints import hold_gil
 from erlay.supervisor.raylocal import shutdown_ray
 from erlay.supervisor.tree import SupervisionTree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runstats import spread  # bench/ (a script's own folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 PERIOD_S = 0.010
@@ -133,8 +135,11 @@ def run_once(mode: str, args: argparse.Namespace, parent: Path, n: int) -> dict[
             faults.append(mode)
         threading.Thread(target=fault, name="loop-lag-fault", daemon=True).start()
 
+    import ray
+    owned = not ray.is_initialized()   # a Ray this run starts ends with it
     result = job.run(progress=False, on_start=on_start)
-    shutdown_ray()
+    if owned:
+        shutdown_ray()
     if result.status != "finished":
         raise SystemExit(f"{mode} run {n}: the job {result.status}: {result.reason}")
     covered = probe.stopped - probe.started
@@ -150,7 +155,7 @@ def run_once(mode: str, args: argparse.Namespace, parent: Path, n: int) -> dict[
             "env_failures": timeouts, "wall_s": round(result.wall_s, 1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(ROOT / "configs" / "cpu.yaml"))
     parser.add_argument("--runs", type=int, default=3)
@@ -160,7 +165,7 @@ def main() -> None:
     parser.add_argument("--plant-in-driver", action="store_true",
                         help="freeze a driver thread instead: the run must fail")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.steps, args.freeze_s = 1, 3, 4.0
     logging.getLogger("erlay").setLevel(logging.ERROR)
