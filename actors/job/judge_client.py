@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from erlay.actors.job.plugins import FailureWindow, PluginFailing, RateRule, UserError
@@ -42,17 +41,6 @@ from erlay.supervisor.worker_process import CallOutcome, WorkerCall
 log = logging.getLogger("erlay.rollout")
 
 Transport = Callable[[WorkerCall], Awaitable[CallOutcome]]
-
-
-@dataclass(frozen=True)
-class BreakerSettings:
-    """A judge host's circuit breaker (see :class:`erlay.judges.budget.CircuitBreaker`)."""
-
-    failure_threshold: int = 10
-    cool_down_s: float = 5.0
-    window: int = 20
-    min_calls: int = 10
-    open_rate: float = 0.5
 
 
 class JudgeClient:
