@@ -36,6 +36,7 @@ class LoopThread:
         self.name = name
         self.cancel_wait_s = cancel_wait_s
         self.loop = asyncio.new_event_loop()
+        self._closing = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -64,12 +65,18 @@ class LoopThread:
     def close(self, timeout_s: float = 15.0) -> None:
         """Cancel what is left on the loop, stop it, join the thread (see the module
         docstring).  Must not be called from this thread."""
+        with self._closing:   # one close at a time: a second waits for the first
+            self._close(timeout_s)
+
+    def _close(self, timeout_s: float) -> None:
         if self.loop.is_closed():
             return
         if self.loop.is_running():
+            cancel = _cancel_all()
             try:
-                asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout_s)
+                asyncio.run_coroutine_threadsafe(cancel, self.loop).result(timeout_s)
             except Exception:  # noqa: BLE001 - best effort: the loop stops regardless
+                cancel.close()   # never scheduled (the loop stopped meanwhile): no warning
                 log.warning("%s: some tasks did not finish cancelling", self.name)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=timeout_s)

@@ -187,7 +187,7 @@ def test_result_from_dict_names_a_bad_outcome() -> None:
 
 def test_outcome_values_are_the_published_ones() -> None:
     assert [o.value for o in Outcome] == ["ok", "error", "timeout", "memory", "file_size",
-                                          "output_limit", "killed", "spawn_failed"]
+                                          "output_limit", "killed", "spawn_failed", "poison"]
     assert Outcome.OK == "ok" and f"{Outcome.MEMORY}" == "memory"
 
 
