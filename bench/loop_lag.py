@@ -9,10 +9,13 @@ Prints a table, then one JSON object as the last line.
 
 What it measures.  The supervision tree's event loop (``SupervisionTree.loop``, where every
 supervisor decides, judges heartbeats and restarts children) gets a probe once the tree is
-up: a timer every 10 ms, recording how late each fires (``loop.time()`` at the wake-up
-minus the time it was due).  The probe runs from the tree's start to the job's end, warm
-start included.  ``loop_lag_p99_ms`` is a run's 99th percentile, the figure the median,
-min and max are taken over; ``loop_lag_max_ms`` is each run's worst.
+up: a timer due every 10 ms on a fixed schedule, recording how late each due time is
+served (``loop.time()`` at the wake-up minus the time it was due).  A stall of the loop
+records every timer it held up, not just the one that was waiting (otherwise a 20 s stall
+would be one sample among thousands, and a percentile would not see it).  The probe runs
+from the tree's start to the job's end, warm start included.  ``loop_lag_p99_ms`` is a
+run's 99th percentile, the figure the median, min and max are taken over;
+``loop_lag_max_ms`` is each run's worst.
 
 - **default**: ``configs/cpu.yaml`` as shipped, but ``run.steps=--steps`` (600 steps would
   be 5 minutes a run, with nothing new after the first few).
@@ -63,9 +66,15 @@ TARGET_MS = 50.0
 
 @dataclass
 class Probe:
-    """A timer every ``PERIOD_S`` on a loop; ``lags_ms`` holds how late each one fired."""
+    """A timer due every ``PERIOD_S`` on a loop, on a fixed schedule (the ``k``-th is due
+    ``k x PERIOD_S`` after the start).  ``lags_ms`` holds how late each due time was served:
+    a wake-up at ``now`` serves every due time up to ``now``, so a loop that stalls for a
+    second records the hundred timers it missed (lags 1000, 990, ... ms), not one late timer
+    (the coordinated omission that would hide a stall from a percentile).  ``fires`` counts
+    the wake-ups themselves, the evidence that the probe ran."""
 
     lags_ms: list[float] = field(default_factory=list)
+    fires: int = 0
     started: float = 0.0
     stopped: float = 0.0
     _task: Any = None
@@ -73,13 +82,15 @@ class Probe:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         async def tick() -> None:
             self.started = loop.time()
-            due = loop.time() + PERIOD_S
+            k = 1
             while True:
-                await asyncio.sleep(max(0.0, due - loop.time()))
+                await asyncio.sleep(max(0.0, self.started + k * PERIOD_S - loop.time()))
                 now = loop.time()
-                self.lags_ms.append(max(0.0, now - due) * 1000)
+                self.fires += 1
+                while self.started + k * PERIOD_S <= now:
+                    self.lags_ms.append((now - self.started - k * PERIOD_S) * 1000)
+                    k += 1
                 self.stopped = now
-                due = now + PERIOD_S
 
         def schedule() -> None:
             self._task = loop.create_task(tick(), name="loop-lag-probe")
@@ -143,15 +154,15 @@ def run_once(mode: str, args: argparse.Namespace, parent: Path, n: int) -> dict[
     if result.status != "finished":
         raise SystemExit(f"{mode} run {n}: the job {result.status}: {result.reason}")
     covered = probe.stopped - probe.started
-    if not probe.lags_ms or len(probe.lags_ms) < 0.25 * covered / PERIOD_S:
-        raise SystemExit(f"{mode} run {n}: the probe fired {len(probe.lags_ms)} times over "
+    if not probe.lags_ms or probe.fires < 0.25 * covered / PERIOD_S:
+        raise SystemExit(f"{mode} run {n}: the probe fired {probe.fires} times over "
                          f"{covered:.1f} s: it did not cover the run (no evidence)")
     timeouts = sum(int(m.get("user_errors", 0)) for m in job.run_dir.rl_steps())
     if mode == "frozen_env" and (faults != ["frozen_env"] or timeouts == 0):
         raise SystemExit(f"frozen_env run {n}: the freeze did not land ({faults or 'not '}"
                          f"armed, {timeouts} environment call(s) failed): no evidence")
     return {"p99_ms": probe.percentile(0.99), "max_ms": max(probe.lags_ms),
-            "ticks": len(probe.lags_ms), "covered_s": round(covered, 1),
+            "ticks": len(probe.lags_ms), "fires": probe.fires, "covered_s": round(covered, 1),
             "env_failures": timeouts, "wall_s": round(result.wall_s, 1)}
 
 

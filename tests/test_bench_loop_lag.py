@@ -46,3 +46,26 @@ def test_the_planted_driver_freeze_fails_naming_the_figure() -> None:
     message = str(exited.value.code)
     assert message.startswith("loop_lag_p99_ms_planted_driver_freeze: ")
     assert "ms > 50 ms: the supervision loop stopped" in message
+
+
+def test_a_stall_of_the_loop_records_every_timer_it_held_up() -> None:
+    """A loop blocked for 0.5 s in a 1 s probe: the timers it held up (about 50) are all
+    recorded, so the p99 sees the stall.  A probe that recorded only the one late wake-up
+    (coordinated omission) would put the stall at 1 sample of about 50 and miss it."""
+    import asyncio
+    import time
+
+    async def go() -> loop_lag.Probe:
+        loop = asyncio.get_running_loop()
+        probe = loop_lag.Probe()
+        probe.start(loop)
+        await asyncio.sleep(0.25)
+        time.sleep(0.5)   # the stall: nothing on this loop runs
+        await asyncio.sleep(0.25)
+        probe._task.cancel()
+        return probe
+    probe = asyncio.run(go())
+    held_up = [lag for lag in probe.lags_ms if lag >= 100]
+    assert len(held_up) >= 35, len(held_up)
+    assert probe.percentile(0.99) >= 400
+    assert probe.fires < len(probe.lags_ms)   # fewer wake-ups than timers due
