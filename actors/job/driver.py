@@ -43,6 +43,7 @@ from erlay.actors.observe.trackers import Trackers
 from erlay.actors.rundir import RunDir
 from erlay.supervisor.errors import ChildStartError, SupervisorFailed, VersionMismatch
 from erlay.supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
+from erlay.supervisor.gcpauses import short_gc_pauses
 from erlay.supervisor.host import host_spec
 from erlay.supervisor.raylocal import alive_nodes, ensure_ray, shutdown_ray
 from erlay.supervisor.reason import ExitReason
@@ -393,7 +394,13 @@ class Job:
 
     # --------------------------------------------------------------------- running
     def run(self, *, progress: bool = True, on_start: Any = None) -> JobResult:
-        """Start Ray (or attach), run the tree until training ends, write the run dir."""
+        """Start Ray (or attach), run the tree until training ends, write the run dir.
+        Garbage collection runs with short pauses meanwhile (the supervision loop shares
+        this process: :mod:`erlay.supervisor.gcpauses`)."""
+        with short_gc_pauses():
+            return self._run(progress, on_start)
+
+    def _run(self, progress: bool, on_start: Any) -> JobResult:
         cfg = self.cfg
         self.run_dir.config.write_text(cfg.to_yaml(), encoding="utf-8")
         from erlay.actors.observe.status import StatusPublisher, identity_metadata

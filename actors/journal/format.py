@@ -20,6 +20,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from erlay.actors.journal.state import JournalState, apply, state_from_dict
 from erlay.actors.journal.transitions import Transition
@@ -107,6 +108,67 @@ def frame(payload: bytes) -> bytes:
 def encode_record(seq: int, t: Transition) -> bytes:
     """One record's payload.  Raises TypeError if the data is not JSON-serializable."""
     return json.dumps({"seq": seq, **t.to_dict()}, separators=(",", ":")).encode()
+
+
+# Containers with more items than this are encoded a group of items at a time.
+ENCODE_GROUP = 128
+
+
+def dumps_compact(obj: Any) -> str:
+    """``json.dumps(obj, separators=(",", ":"))``, the same text, made of many short C calls.
+
+    One ``json.dumps`` of a large snapshot is one C call that holds the GIL for all of it
+    (100 ms and more on a long job), and the supervision loop shares this process: it would
+    fire nothing meanwhile.  Here no C call encodes a list or dict of more than
+    :data:`ENCODE_GROUP` items: such a container is encoded that many items at a time, and a
+    container holding one is encoded item by item, so another thread can take the GIL
+    between calls."""
+    out: list[str] = []
+    _encode_into(obj, out)
+    return "".join(out)
+
+
+def _heavy(obj: Any) -> bool:
+    """Whether ``obj`` is, or holds at any depth, a container of more than ENCODE_GROUP
+    items (a dict with a key that is not a str is encoded whole, as json does)."""
+    if isinstance(obj, dict):
+        return len(obj) > ENCODE_GROUP or any(_heavy(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return len(obj) > ENCODE_GROUP or any(_heavy(v) for v in obj)
+    return False
+
+
+def _encode_into(obj: Any, out: list[str]) -> None:
+    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and _heavy(obj):
+        items = list(obj.items())
+        out.append("{")
+        for i in range(0, len(items), ENCODE_GROUP):
+            group = items[i:i + ENCODE_GROUP]
+            if i:
+                out.append(",")
+            if any(_heavy(v) for _, v in group):
+                for j, (k, v) in enumerate(group):
+                    out.append(("," if j else "") + json.dumps(k) + ":")
+                    _encode_into(v, out)
+            else:
+                out.append(json.dumps(dict(group), separators=(",", ":"))[1:-1])
+        out.append("}")
+    elif isinstance(obj, (list, tuple)) and _heavy(obj):
+        out.append("[")
+        for i in range(0, len(obj), ENCODE_GROUP):
+            group = obj[i:i + ENCODE_GROUP]
+            if i:
+                out.append(",")
+            if any(_heavy(v) for v in group):
+                for j, v in enumerate(group):
+                    if j:
+                        out.append(",")
+                    _encode_into(v, out)
+            else:
+                out.append(json.dumps(list(group), separators=(",", ":"))[1:-1])
+        out.append("]")
+    else:
+        out.append(json.dumps(obj, separators=(",", ":")))
 
 
 @dataclass

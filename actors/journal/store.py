@@ -76,6 +76,7 @@ from erlay.actors.journal.format import (
     JournalNotFound,
     Recovered,
     RecoveryReport,
+    dumps_compact,
     encode_record,
     frame,
     list_files,
@@ -451,9 +452,9 @@ class Journal:
         covered = self._segment
         self._roll_locked()
         compact(self._state, self._keep_from_step)
-        body = json.dumps({"format": SNAPSHOT_FORMAT, "segment": covered,
-                           "seq": self._state.applied, "state": state_to_dict(self._state)},
-                          separators=(",", ":")).encode()
+        body = dumps_compact({"format": SNAPSHOT_FORMAT, "segment": covered,
+                              "seq": self._state.applied,
+                              "state": state_to_dict(self._state)}).encode()
         _write_atomic(self.directory / snapshot_name(covered), frame(body))
         self._since_snapshot = 0
         self._position = JournalPosition(snapshot_name(covered), covered, self._state.applied)

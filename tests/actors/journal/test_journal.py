@@ -15,6 +15,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -758,3 +759,36 @@ def test_memory_transitions_count_each_kind_as_they_list_it() -> None:
     for kind in K:
         assert memory.count(kind) == len(memory.of(kind)), kind
     assert memory.count(K.CHUNK) > 0 and memory.count(K.DISPATCHED) == 2
+
+
+# ----------------------------------------------------------- snapshot encoding
+@pytest.mark.parametrize("obj", [
+    {}, [], {"a": 1}, list(range(1000)), {f"k{i}": i for i in range(1000)},
+    {"state": {"consumed": {f"r{i}": i % 7 for i in range(500)},
+               "rollouts": [{"chunks": [[i, i + 1]] * 300, "id": str(i), "x": None,
+                             "f": 1.5, "s": "é\"\\\n"} for i in range(300)]}},
+    [[list(range(200))] * 200], ({"t": (1, 2)},) * 300, {1: "int keys"},
+    [float("nan"), float("inf")] * 100,
+])
+def test_the_snapshot_encoder_writes_what_json_dumps_writes(obj: Any) -> None:
+    from erlay.actors.journal.format import dumps_compact
+    assert dumps_compact(obj) == json.dumps(obj, separators=(",", ":"))
+
+
+def test_the_snapshot_encoder_never_encodes_a_big_container_in_one_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One C call per group of at most ENCODE_GROUP items: between calls another thread (the
+    supervision loop's) can take the GIL."""
+    from erlay.actors.journal import format as fmt
+    largest: list[int] = []
+    real = json.dumps
+
+    def counting(obj: Any, **kw: Any) -> str:
+        if isinstance(obj, (dict, list)):
+            largest.append(len(obj))
+        return real(obj, **kw)
+    monkeypatch.setattr(fmt.json, "dumps", counting)
+    state = {"consumed": {f"r{i}": i for i in range(5000)},
+             "rollouts": [{"chunks": list(range(i % 50))} for i in range(3000)]}
+    assert json.loads(fmt.dumps_compact({"state": state})) == {"state": state}
+    assert largest and max(largest) <= fmt.ENCODE_GROUP
