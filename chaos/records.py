@@ -45,7 +45,7 @@ def trained_twice(obs: RunObservation) -> list[str] | None:
 
 def _fed(steps: list[LedgerStep]) -> Counter[str]:
     """How many times the ledger's steps fed each rollout id, trained or masked."""
-    return Counter(rid for s in steps for rid in [*s.trained, *s.masked])
+    return Counter(rid for s in steps for rid in s.fed)
 
 
 def exactly_once(obs: RunObservation) -> Verdict:
@@ -59,7 +59,7 @@ def exactly_once(obs: RunObservation) -> Verdict:
     if obs.steps_trained > 0 and not obs.consumed_transitions:
         return cannot_check(name, "the journal recorded no consumed rollout")
     fed = _fed(steps)
-    misplaced = [f"{rid} by step {s.step}" for s in steps for rid in [*s.trained, *s.masked]
+    misplaced = [f"{rid} by step {s.step}" for s in steps for rid in s.fed
                  if rollout_step(rid) != s.step]
     consumed = {rid for rid, _ in obs.consumed_transitions}
     twice = sorted(f"{rid} x{n}" for rid, n in fed.items() if n > 1)
@@ -99,12 +99,12 @@ def staleness_within_bound(obs: RunObservation) -> Verdict:
     if obs.steps_trained > 0 and not steps:
         return cannot_check(name, f"{obs.steps_trained} steps trained but the ledger holds none")
     over = [f"{rid} at step {s.step} (lag {s.version - v})" for s in steps
-            for rid, v in s.trained.items() if v >= 0 and s.version - v > obs.max_staleness]
+            for rid, v in s.trained if v >= 0 and s.version - v > obs.max_staleness]
     masked = sum(len(s.masked) for s in steps)
     if over:
         return Verdict(name, False, f"trained beyond the bound {obs.max_staleness}: "
                                     f"{few(over)}")
-    worst = max((s.version - v for s in steps for v in s.trained.values() if v >= 0),
+    worst = max((s.version - v for s in steps for _, v in s.trained if v >= 0),
                 default=0)
     return Verdict(name, True, f"{sum(len(s.trained) for s in steps)} trained samples, worst "
                                f"lag {worst} <= {obs.max_staleness}; {masked} masked")

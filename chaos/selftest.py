@@ -187,7 +187,9 @@ def _plants(b: Built, root: Path) -> dict[str, RunObservation]:
     def older(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in rs:
             if r.get("step") == 3 and "trained" in r:
-                r["trained"][_rid(3, 0)] = r["version"] - 1   # trained one version late
+                for row in r["trained"]:
+                    if row[0] == _rid(3, 0):
+                        row[1] = r["version"] - 1   # trained one version late
         return rs
     _rewrite_ledger(stale, older)
     p["staleness_within_bound"] = observe(stale)

@@ -60,6 +60,12 @@ class TrainBatch:
             raise ValueError("a train batch needs at least one completion")
         if self.group_size < 1 or n % self.group_size:
             raise ValueError(f"{n} completions do not split into groups of {self.group_size}")
+        if len(set(self.rollout_ids)) != n:
+            # One rollout fed twice in a step would be trained twice; no caller means it.
+            seen: set[str] = set()
+            twice = sorted({r for r in self.rollout_ids if r in seen or seen.add(r)})
+            raise ValueError(f"rollout ids repeat in one batch: {', '.join(twice[:5])}"
+                             + (f" ({len(twice)} in all)" if len(twice) > 5 else ""))
         for i in range(n):
             self._check_row(i)
 

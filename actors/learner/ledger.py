@@ -11,11 +11,13 @@ Records, one JSON object per line:
   learner began at step ``s`` (0, or the step of the checkpoint it restored).  Whatever an
   earlier incarnation recorded for steps ``>= s`` died with that incarnation's weights: the
   steps are trained again, and only the later records count (:func:`effective_steps`).
-- ``{"step": n, "version": v, "trained": {rollout_id: min_version}, "masked": [ids],
+- ``{"step": n, "version": v, "trained": [[rollout_id, min_version], ...], "masked": [ids],
   "time": t}``: step ``n`` was trained by a learner at policy version ``v``; ``trained``
-  holds every sample with at least one token in the loss, with the oldest policy version
-  among its tokens (-1 when no policy made any), ``masked`` the samples fed with every token
-  masked out (stale, judge failed, user code failed).
+  holds every sample with at least one token in the loss, in the batch's order, with the
+  oldest policy version among its tokens (-1 when no policy made any), ``masked`` the
+  samples fed with every token masked out (stale, judge failed, user code failed).  Both
+  are lists, one entry per row fed: a rollout fed twice shows twice.  (Ledgers written
+  before held ``trained`` as a dict keyed by rollout id; they are still read.)
 
 A torn last line (a crash mid-write) is ignored; any other undecodable line raises.
 """
@@ -26,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +39,13 @@ class LedgerStep:
 
     step: int
     version: int
-    trained: dict[str, int] = field(default_factory=dict)
+    trained: tuple[tuple[str, int], ...] = ()   # (rollout id, oldest version), per row
     masked: tuple[str, ...] = ()
+
+    @property
+    def fed(self) -> list[str]:
+        """Every rollout id the step fed, trained or masked, once per row."""
+        return [*(rid for rid, _ in self.trained), *self.masked]
 
 
 class LearnerLedger:
@@ -61,14 +68,15 @@ class LearnerLedger:
     def trained(self, step: int, version: int, rollout_ids: Sequence[str],
                 versions: Sequence[Sequence[int]],
                 loss_mask: Sequence[Sequence[bool]] | None) -> None:
-        """Record step ``step`` trained at ``version`` on the batch's rows."""
-        trained: dict[str, int] = {}
+        """Record step ``step`` trained at ``version`` on the batch's rows (every row, a
+        repeated rollout id included: the invariants must see it)."""
+        trained: list[list[Any]] = []
         masked: list[str] = []
         for i, rid in enumerate(rollout_ids):
             mask = loss_mask[i] if loss_mask is not None else [True] * len(versions[i])
             if any(mask):
                 made = [v for v in versions[i] if v >= 0]
-                trained[rid] = min(made) if made else -1
+                trained.append([rid, min(made) if made else -1])
             else:
                 masked.append(rid)
         self._append({"step": int(step), "version": int(version), "trained": trained,
@@ -107,6 +115,19 @@ def effective_steps(records: Iterable[Mapping[str, Any]]) -> list[LedgerStep]:
             kept = [s for s in kept if s.step < begin]
             continue
         kept.append(LedgerStep(int(rec["step"]), int(rec["version"]),
-                               {str(k): int(v) for k, v in dict(rec["trained"]).items()},
+                               _trained_rows(rec["trained"]),
                                tuple(str(r) for r in rec.get("masked", ()))))
     return kept
+
+
+def _trained_rows(trained: Any) -> tuple[tuple[str, int], ...]:
+    """A record's ``trained``: a list of [rollout id, version] pairs, or (ledgers written
+    before) a dict of them.  Raises TypeError/ValueError on anything else."""
+    pairs = list(trained.items()) if isinstance(trained, dict) else trained
+    if not isinstance(pairs, list):
+        raise TypeError(f"'trained' is a {type(trained).__name__}, not a list of pairs")
+    out = []
+    for pair in pairs:
+        rid, version = pair   # ValueError when it is not a pair
+        out.append((str(rid), int(version)))
+    return tuple(out)

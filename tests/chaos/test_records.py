@@ -17,6 +17,7 @@ from erlay.chaos.records import (
     staleness_within_bound,
     steps_in_order,
     tool_calls_once,
+    trained_twice,
 )
 
 
@@ -134,7 +135,7 @@ def test_the_ledger_file_round_trips_and_ignores_only_a_torn_last_line(tmp_path:
                    [[True, True, False], [False]])
     [step] = effective_steps(read_ledger(ledger.path))
     assert (step.step, step.version) == (0, 5)
-    assert step.trained == {"r00000-g000-0": 4} and step.masked == ("r00000-g000-1",)
+    assert step.trained == (("r00000-g000-0", 4),) and step.masked == ("r00000-g000-1",)
     with open(ledger.path, "a") as f:
         f.write('{"step": 1, "vers')          # a crash mid-write
     assert len(read_ledger(ledger.path)) == 2
@@ -167,3 +168,23 @@ def test_the_counts_the_suite_table_shows() -> None:
     assert lost_rollouts(obs) == [rids(2)[-1]]
     assert trained_twice(run([*CLEAN, trained(1)])) == rids(1)
     assert trained_twice(run(None)) is None      # type: ignore[arg-type]
+
+
+def test_a_rollout_fed_twice_in_one_step_shows_twice_in_the_ledger(tmp_path: Path) -> None:
+    """The ledger keeps one entry per row fed, so a duplicate inside one batch reaches the
+    exactly-once check as a count of 2 (a dict keyed by rollout id collapsed it to 1)."""
+    ledger = LearnerLedger(tmp_path / "ledger.jsonl")
+    ledger.started(0, False)
+    rid = "r00000-g000-0"
+    ledger.trained(0, 1, [rid, rid, "r00000-g000-1"], [[0], [0], [0]], None)
+    [step] = effective_steps(read_ledger(ledger.path))
+    assert step.fed == [rid, rid, "r00000-g000-1"]
+    assert trained_twice(RunObservation(ledger=read_ledger(ledger.path))) == [rid]
+
+
+def test_a_ledger_written_before_with_a_dict_still_reads() -> None:
+    [step] = effective_steps([{"step": 0, "version": 2, "trained": {"r00000-g000-0": 1},
+                               "masked": []}])
+    assert step.trained == (("r00000-g000-0", 1),)
+    with pytest.raises(TypeError):
+        effective_steps([{"step": 0, "version": 2, "trained": "r00000-g000-0"}])

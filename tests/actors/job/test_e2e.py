@@ -51,7 +51,7 @@ def test_the_arithmetic_job_runs_end_to_end(tmp_path: Path, fresh_ray: None) -> 
     assert all(m["masked_stale"] > 0 for m in steps if m["staleness_max"] > bound)
     ledger = effective_steps(read_ledger(job.run_dir.ledger))
     assert [s.step for s in ledger] == list(range(40))
-    assert all(s.version - v <= bound for s in ledger for v in s.trained.values() if v >= 0)
+    assert all(s.version - v <= bound for s in ledger for _, v in s.trained if v >= 0)
     assert job.run_dir.summary.exists() and job.run_dir.reward_plot.exists()
     # TensorBoard got every RL step's scalars, equal to metrics.jsonl's
     tb = tensorboard_scalars(job.run_dir.path / "tensorboard")

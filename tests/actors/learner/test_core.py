@@ -69,6 +69,16 @@ def test_train_batch_names_the_row_with_a_ragged_token_column() -> None:
         replace(batch, versions=bad)
 
 
+def test_a_rollout_fed_twice_in_one_batch_is_refused_naming_it() -> None:
+    """A duplicate inside one batch (a coordinator bug re-feeding a replayed rollout) would
+    be trained twice and collapse in any set of ids downstream: the batch refuses it."""
+    batch = arithmetic_batch(learner())
+    ids = list(batch.rollout_ids)
+    ids[5] = ids[2]
+    with pytest.raises(ValueError, match="rollout ids repeat in one batch: r-2"):
+        replace(batch, rollout_ids=ids)
+
+
 def test_nan_behaviour_logprob_is_rejected_only_on_trained_tokens() -> None:
     batch = arithmetic_batch(learner())
     behaviour = [list(row) for row in batch.behaviour_logprobs]
