@@ -27,6 +27,7 @@ from typing import Any
 from erlay.actors.rundir import reward_window
 from erlay.chaos.faults import FaultRecord, domain_of
 from erlay.chaos.observation import (
+    NO_STEP_TRAINED,
     STATUSES,
     RunObservation,
     Verdict,
@@ -119,7 +120,10 @@ def no_duplicate_consumption(obs: RunObservation) -> Verdict:
     """
     name = "no_duplicate_consumption"
     if not obs.consumed_transitions:
-        return Verdict(name, True, "no rollout was consumed")
+        if obs.steps_trained > 0:
+            return cannot_check(name, f"{obs.steps_trained} steps trained but the journal "
+                                      "recorded no consumed rollout")
+        return Verdict(name, None, NO_STEP_TRAINED)
     steps_of: dict[str, set[int]] = defaultdict(set)
     for rid, step in obs.consumed_transitions:
         steps_of[rid].add(int(step))
@@ -326,6 +330,10 @@ def restart_intensity_respected(obs: RunObservation, *,
     name = "restart_intensity_respected"
     if not obs.intensity:
         return cannot_check(name, "no supervisor's restart intensity is known")
+    if not obs.events:
+        # A tree that ran wrote at least its start events: none means no evidence at all.
+        return cannot_check(name, "no supervisor event was recorded (events.jsonl is "
+                                  "missing or empty)")
     problems: list[str] = []
     restarts = escalations = 0
     events = obs.sorted_events()

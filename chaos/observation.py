@@ -19,6 +19,9 @@ from erlay.chaos.faults import FaultRecord
 from erlay.supervisor.events import SupervisorEvent
 
 STATUSES = ("finished", "failed", "stalled")
+# The reasons an invariant may be N/A (docs/chaos.md lists them); any other missing
+# evidence is a FAIL ("cannot check").
+NO_STEP_TRAINED = "no step was trained, so nothing was consumed or fed"
 _ROLLOUT_ID = re.compile(r"^r(\d+)-")  # f"r{step:05d}-g{group:03d}-{k}"
 
 

@@ -13,7 +13,14 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from erlay.actors.learner.ledger import LedgerStep, effective_steps
-from erlay.chaos.observation import RunObservation, Verdict, cannot_check, few, rollout_step
+from erlay.chaos.observation import (
+    NO_STEP_TRAINED,
+    RunObservation,
+    Verdict,
+    cannot_check,
+    few,
+    rollout_step,
+)
 
 
 def _ledger(obs: RunObservation, name: str) -> list[LedgerStep] | Verdict:
@@ -119,7 +126,10 @@ def steps_in_order(obs: RunObservation) -> Verdict:
         return steps
     order = [s.step for s in steps]
     if not order:
-        return Verdict(name, True, "no step was trained")
+        if obs.steps_trained > 0:
+            return cannot_check(name, f"{obs.steps_trained} steps trained but the ledger "
+                                      "holds none")
+        return Verdict(name, None, NO_STEP_TRAINED)
     expected = list(range(order[0], order[0] + len(order)))
     if order != expected:
         first = next(i for i, (a, b) in enumerate(zip(order, expected, strict=True)) if a != b)

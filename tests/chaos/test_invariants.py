@@ -23,6 +23,7 @@ from erlay.chaos.invariants import (
     rollout_step,
     samples_judged,
 )
+from erlay.chaos.records import steps_in_order
 from erlay.supervisor.events import EventKind, SupervisorEvent
 
 T0 = 1_000.0  # unix time of the first fault in these scenarios
@@ -313,6 +314,23 @@ def test_unknown_intensity_cannot_check_and_fails() -> None:
     assert verdict.ok is False and verdict.status == "FAIL" and "cannot check" in verdict.detail
 
 
+def test_no_events_at_all_cannot_check_and_fails() -> None:
+    """A missing events.jsonl reads as no events; a tree that ran wrote its start events, so
+    "0 restarts" would be a pass on no evidence."""
+    verdict = restart_intensity_respected(RunObservation(intensity=GEN, events=[]))
+    assert verdict.ok is False and "events.jsonl" in verdict.detail
+
+
+def test_no_consumed_rollout_and_no_ledger_step_fail_when_steps_trained() -> None:
+    verdict = no_duplicate_consumption(RunObservation(steps_trained=2))
+    assert verdict.ok is False and verdict.detail.startswith("cannot check")
+    assert no_duplicate_consumption(RunObservation()).ok is None   # nothing trained: N/A
+    ledger = [{"event": "start", "step": 0, "restored": False}]
+    verdict = steps_in_order(RunObservation(steps_trained=2, ledger=ledger))
+    assert verdict.ok is False and verdict.detail.startswith("cannot check")
+    assert steps_in_order(RunObservation(ledger=ledger)).ok is None
+
+
 def test_orphans() -> None:
     assert no_orphans(RunObservation()).ok is True
     verdict = no_orphans(RunObservation(orphans=[{"pid": 4242, "cmdline": "python engine"}]))
@@ -353,6 +371,7 @@ def test_check_all_runs_every_invariant_in_order() -> None:
     obs = RunObservation(dispatched_ids=set(rids(0)), steps_trained=1, metrics=[rl(0)],
                          consumed_transitions=[(r, 0) for r in rids(0)],
                          intensity={"erlay": (3, 60.0)}, checkpoints=[(0, None)],
+                         events=[ev("erlay", "learner", EventKind.START, T0, "started")],
                          ledger=[{"event": "start", "step": 0, "restored": False},
                                  {"step": 0, "version": 0, "trained": dict.fromkeys(rids(0), 0),
                                   "masked": []}])
