@@ -130,7 +130,7 @@ def dumps_compact(obj: Any) -> str:
 
 def _heavy(obj: Any) -> bool:
     """Whether ``obj`` is, or holds at any depth, a container of more than ENCODE_GROUP
-    items (a dict with a key that is not a str is encoded whole, as json does)."""
+    items."""
     if isinstance(obj, dict):
         return len(obj) > ENCODE_GROUP or any(_heavy(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -139,6 +139,7 @@ def _heavy(obj: Any) -> bool:
 
 
 def _encode_into(obj: Any, out: list[str]) -> None:
+    # A dict with a key that is not a str is encoded whole: json converts such keys itself.
     if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) and _heavy(obj):
         items = list(obj.items())
         out.append("{")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -62,8 +63,7 @@ class TrainBatch:
             raise ValueError(f"{n} completions do not split into groups of {self.group_size}")
         if len(set(self.rollout_ids)) != n:
             # One rollout fed twice in a step would be trained twice; no caller means it.
-            seen: set[str] = set()
-            twice = sorted({r for r in self.rollout_ids if r in seen or seen.add(r)})
+            twice = sorted(r for r, k in Counter(self.rollout_ids).items() if k > 1)
             raise ValueError(f"rollout ids repeat in one batch: {', '.join(twice[:5])}"
                              + (f" ({len(twice)} in all)" if len(twice) > 5 else ""))
         for i in range(n):
