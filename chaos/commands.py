@@ -4,10 +4,12 @@
   erlay chaos run SCENARIO         run a scenario, check its invariants, write its report
   erlay chaos run --all [--smoke]  every shipped scenario (or the CI smoke subset), one
                                    after another, then a table of their verdicts
-  erlay chaos selftest [--keep DIR] prove every invariant can fail: plant one violation
-                                   per invariant in a copy of a clean run (no Ray, seconds)
+  erlay chaos selftest [--keep DIR] prove every invariant can fail: a clean run passes
+                                   each, 24 planted bugs fail theirs (no Ray, seconds)
+  erlay verify RUN_DIR [--json]    the record invariants of any run directory, from its
+                                   files alone (no Ray; a live run too)
 
-Importing this module is cheap: the runner (and Ray) load inside :meth:`ChaosCommand.run`.
+Importing this module is cheap: the runner (and Ray) load inside the commands' ``run``.
 """
 
 from __future__ import annotations
@@ -84,4 +86,42 @@ class ChaosCommand:
         return 0 if result.ok else 1
 
 
+@dataclass(frozen=True)
+class VerifyCommand:
+    """``erlay verify RUN_DIR [--json]``: the record invariants of any run directory, from
+    its durable files (:mod:`erlay.chaos.verify`).  0: every applicable invariant holds; 1:
+    one fails or cannot be checked; 2: not a run directory."""
+
+    name: str = "verify"
+    help: str = ("check a run directory's records: every rollout trained exactly once, none "
+                 "lost, checkpoints intact (no Ray; a live run too)")
+    takes_overrides: bool = False
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("run_dir", help="the run directory (holds config.yaml)")
+        parser.add_argument("--json", action="store_true", help="print only the JSON "
+                            "object, with every invariant's detail")
+
+    def run(self, args: argparse.Namespace) -> int:
+        import json
+
+        from erlay.actors.journal.format import JournalCorrupt
+        from erlay.chaos.evidence import NotARunDir, OlderJournal
+        from erlay.chaos.verify import render, verify
+        try:
+            result = verify(args.run_dir)
+        except NotARunDir as exc:
+            print(f"erlay: {exc}", file=sys.stderr)
+            return 2
+        except (JournalCorrupt, OlderJournal) as exc:
+            print(f"erlay: verify {args.run_dir}: FAIL: {exc}", file=sys.stderr)
+            return 1
+        if args.json:
+            print(json.dumps(result.to_dict()))
+        else:
+            render(result)
+        return 0 if result.ok else 1
+
+
 CHAOS = ChaosCommand()
+VERIFY = VerifyCommand()

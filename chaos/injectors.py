@@ -49,6 +49,7 @@ FAILPOINT_HOMES = {
     "learner.checkpoint_after_swap": "erlay/learner/learner-0",
     "learner.checkpoint_before_cleanup": "erlay/learner/learner-0",
     "rollout.dispatch": "driver",
+    "rollout.after_train": "driver",
     "host.spawn": "erlay/sandbox/host@*",
 }
 

@@ -27,13 +27,19 @@ from typing import Any
 from erlay.actors.rundir import reward_window
 from erlay.chaos.faults import FaultRecord, domain_of
 from erlay.chaos.observation import (
+    DRIVER_FAULTS_ONLY,
+    NO_BASELINE,
+    NO_FAULT,
     NO_STEP_TRAINED,
+    STALENESS_ABOVE_0,
     STATUSES,
     RunObservation,
     Verdict,
     cannot_check,
     distinct_steps,
+    documented_na,
     few,
+    not_applicable,
     rollout_step,
 )
 from erlay.chaos.records import (
@@ -123,7 +129,7 @@ def no_duplicate_consumption(obs: RunObservation) -> Verdict:
         if obs.steps_trained > 0:
             return cannot_check(name, f"{obs.steps_trained} steps trained but the journal "
                                       "recorded no consumed rollout")
-        return Verdict(name, None, NO_STEP_TRAINED)
+        return not_applicable(name, NO_STEP_TRAINED)
     steps_of: dict[str, set[int]] = defaultdict(set)
     for rid, step in obs.consumed_transitions:
         steps_of[rid].add(int(step))
@@ -155,12 +161,12 @@ def replay_identical(obs: RunObservation, fault_free: RunObservation | None = No
     """
     name = "replay_identical"
     if fault_free is None:
-        return Verdict(name, None, "no fault-free baseline was requested")
+        return not_applicable(name, NO_BASELINE)
     if obs.max_staleness > 0 or fault_free.max_staleness > 0:
         bound = max(obs.max_staleness, fault_free.max_staleness)
-        return Verdict(name, None, f"max_staleness {bound} > 0: generation timing "
-                                   "legitimately changes which policy version made a token, "
-                                   "so digests may differ")
+        return not_applicable(name, STALENESS_ABOVE_0, f"{bound}: generation timing "
+                              "legitimately changes which policy version made a token, "
+                              "so digests may differ")
     reference = {int(m["step"]): m.get("tokens_digest") for m in fault_free.rl_steps()}
     compared, mismatched, uncompared = 0, [], 0
     for m in obs.rl_records():
@@ -299,12 +305,14 @@ def faults_detected(obs: RunObservation, *, window_s: float = DETECTION_WINDOW_S
     ``detail``; faults that cannot be judged from events are listed but do not fail it."""
     name = "faults_detected"
     if not obs.faults:
-        return Verdict(name, None, "no fault was injected")
+        return not_applicable(name, NO_FAULT)
     matches = [match_fault(f, obs.events, window_s=window_s, skew_s=skew_s) for f in obs.faults]
     judged = [m for m in matches if m.ok is not None]
     detail = "; ".join(m.describe() for m in matches)
     if not judged:
-        return Verdict(name, None, detail)
+        if all(m.fault.target == "driver" for m in matches):
+            return not_applicable(name, DRIVER_FAULTS_ONLY, detail)
+        return cannot_check(name, f"no fault could be judged from the events: {detail}")
     return Verdict(name, all(m.ok for m in judged), detail)
 
 
@@ -385,7 +393,7 @@ def reward_within_tolerance(obs: RunObservation, fault_free: RunObservation | No
     fault-free run's: recovering from faults did not cost learning."""
     name = "reward_within_tolerance"
     if fault_free is None:
-        return Verdict(name, None, "no fault-free baseline was requested")
+        return not_applicable(name, NO_BASELINE)
     ours, theirs = final_reward(obs.metrics), final_reward(fault_free.metrics)
     if ours is None or theirs is None:
         which = "this run" if ours is None else "the fault-free run"
@@ -499,4 +507,4 @@ def check_all(obs: RunObservation, *, fault_free: RunObservation | None = None,
             raise ValueError(f"unknown invariant(s) {', '.join(unknown)}; known: "
                              f"{', '.join(INVARIANTS)}")
     names = [n for n in INVARIANTS if selected is None or n in selected]
-    return [checks[n]() for n in names]
+    return [documented_na(checks[n]()) for n in names]

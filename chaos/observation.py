@@ -2,10 +2,11 @@
 :class:`Verdict` each invariant returns.
 
 A verdict is PASS, FAIL or N/A, and N/A means one thing only: the invariant does not apply
-to this run (no fault-free baseline was requested; token identity while ``max_staleness``
-is above 0).  An invariant that applies but whose evidence is missing (no ledger, no
-journal stream, no checkpoint listing) FAILS, saying it could not check: a check that did
-not run proves nothing, so it must not pass.  Pure data: no I/O here.
+to this run, for one of the reasons in :data:`NA_REASONS` (``docs/chaos.md`` lists them);
+:func:`erlay.chaos.invariants.check_all` turns an N/A for any other reason into a FAIL.  An
+invariant that applies but whose evidence is missing (no ledger, no journal, no checkpoint)
+FAILS, saying it could not check: a check that did not run proves nothing, so it must not
+pass.  Pure data: no I/O here.
 """
 
 from __future__ import annotations
@@ -18,10 +19,19 @@ from typing import Any
 from erlay.chaos.faults import FaultRecord
 from erlay.supervisor.events import SupervisorEvent
 
-STATUSES = ("finished", "failed", "stalled")
-# The reasons an invariant may be N/A (docs/chaos.md lists them); any other missing
-# evidence is a FAIL ("cannot check").
+# ``unended``: no end was recorded (``erlay verify`` of a run still running, or killed).
+STATUSES = ("finished", "failed", "stalled", "unended")
+# The reasons an invariant may be N/A (docs/chaos.md lists them, in this order); a verdict's
+# detail starts with one.  Any other missing evidence is a FAIL ("cannot check").
 NO_STEP_TRAINED = "no step was trained, so nothing was consumed or fed"
+NO_BASELINE = "no fault-free baseline was requested"
+STALENESS_ABOVE_0 = "max_staleness above 0"
+NO_FAULT = "no fault was injected"
+DRIVER_FAULTS_ONLY = "only driver faults, which no supervisor watches"
+NO_TOOL_CALL = "the run made no tool call"
+NO_JUDGEMENT = "no sample was judged: the environment rewarded every sample itself"
+NA_REASONS = (NO_STEP_TRAINED, NO_BASELINE, STALENESS_ABOVE_0, NO_FAULT, DRIVER_FAULTS_ONLY,
+              NO_TOOL_CALL, NO_JUDGEMENT)
 _ROLLOUT_ID = re.compile(r"^r(\d+)-")  # f"r{step:05d}-g{group:03d}-{k}"
 
 
@@ -52,19 +62,22 @@ def cannot_check(name: str, why: str) -> Verdict:
 class RunObservation:
     """Everything the invariants look at, gathered from one run after it ended.
 
-    From the journal's transition stream (``stream_observed``: False when the driver ran in
-    a process the runner could not tee, e.g. a resumed subprocess; then only the journal's
-    compacted state is known, and the stream-only invariants cannot check):
+    From the journal on disk (:mod:`erlay.chaos.evidence`: its newest usable snapshot and
+    the segments after it; ``journal_found`` False when the run has none):
 
-    - ``consumed_transitions``: ``(rollout_id, step)`` of every CONSUMED transition, in
-      order, repeats included (a rewind consumes the same rollouts again).
+    - ``consumed_transitions``: ``(rollout_id, step)`` of every CONSUMED transition ever
+      recorded, repeats included (a rewind consumes the same rollouts again): the
+      journal's side of exactly-once, a multiset.
     - ``dispatched_ids``: the id of every rollout ever dispatched.
+    - ``journal_kinds``: how many transitions of each kind were ever recorded, and
+      ``journal_anomalies`` the journal fold's anomaly counts by reason (a tool call made
+      after its result was journaled, two different results or judgements for one key).
     - ``tool_events``: ``(kind, key, result)`` of every TOOL_CALL (``"call"``, result None)
-      and TOOL_RESULT (``"result"``) in stream order: a call of a key whose result was
-      already journaled, or two different results of one key, is a tool call executed
-      again.  (Two equal results are not: the sandbox answers a repeated key from its
-      idempotency cache.)
-    - ``judgements``: ``(key, judgement)`` of every JUDGED transition, repeats included.
+      and TOOL_RESULT (``"result"``) in the segments still on disk, in order, and
+      ``judgements``: ``(key, judgement)`` of their JUDGED transitions: they name the keys
+      of what the anomaly counts found.
+    - ``notes``: what was past the last write (a torn tail of a file being written), which
+      is reported, never judged.
 
     From the run dir:
 
@@ -72,13 +85,14 @@ class RunObservation:
     - ``metrics``: every ``metrics.jsonl`` record (all phases).  A step may appear twice in
       phase ``rl``: again after a learner rewind, or as a ``recovered`` record.
     - ``ledger``: the learner's ledger records (:mod:`erlay.actors.learner.ledger`), or None
-      when the run has none.
+      when the run has none or it is unreadable (``ledger_problem`` says which).
     - ``checkpoints``: ``(step, problem)`` for every committed checkpoint, ``problem`` None
       when it verifies (manifest and content hashes), or None when not listed.
+    - ``judge_failed``: samples the metrics say the judge failed (so it ran).
 
     From the runner: ``faults`` (injected, in order), ``not_injected``, ``wall_s``,
     ``rl_wall_s`` (first to last RL step, the goodput denominator), ``status``
-    (``finished``, ``failed`` or ``stalled``), ``offender``, ``orphans`` (processes left
+    (one of :data:`STATUSES`), ``offender``, ``orphans`` (processes left
     behind, each ``{"pid", "cmdline"}``), ``started_at`` (unix time the job started; a
     metric's ``time`` counts from it), ``steps_trained``, ``max_staleness``, and
     ``intensity`` (supervisor path -> (intensity, period s)).
@@ -90,8 +104,13 @@ class RunObservation:
     dispatched_ids: set[str] = field(default_factory=set)
     tool_events: list[tuple[str, str, Any]] = field(default_factory=list)
     judgements: list[tuple[str, Any]] = field(default_factory=list)
-    stream_observed: bool = True
+    journal_found: bool = True
+    journal_kinds: dict[str, int] = field(default_factory=dict)
+    journal_anomalies: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    judge_failed: int = 0
     ledger: list[dict[str, Any]] | None = None
+    ledger_problem: str | None = None
     checkpoints: list[tuple[int, str | None]] | None = None
     steps_trained: int = 0
     faults: list[FaultRecord] = field(default_factory=list)
@@ -120,6 +139,26 @@ class RunObservation:
 
     def sorted_events(self) -> list[SupervisorEvent]:
         return sorted(self.events, key=lambda e: e.time)
+
+    def kept_step(self) -> int:
+        """The step the newest intact checkpoint resumes at: every step below it is kept
+        in a checkpoint (0 when none is: nothing is kept)."""
+        return max((step for step, problem in self.checkpoints or () if problem is None),
+                   default=0)
+
+
+def not_applicable(name: str, reason: str, more: str = "") -> Verdict:
+    """The N/A verdict for ``reason`` (one of :data:`NA_REASONS`), with ``more`` after it."""
+    if reason not in NA_REASONS:
+        raise ValueError(f"{reason!r} is not a documented N/A reason")
+    return Verdict(name, None, reason + (f": {more}" if more else ""))
+
+
+def documented_na(verdict: Verdict) -> Verdict:
+    """``verdict``, or a FAIL when it is N/A for a reason docs/chaos.md does not list."""
+    if verdict.ok is not None or any(verdict.detail.startswith(r) for r in NA_REASONS):
+        return verdict
+    return cannot_check(verdict.name, f"N/A for an undocumented reason ({verdict.detail})")
 
 
 def distinct_steps(metrics: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

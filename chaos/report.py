@@ -151,6 +151,14 @@ def _recovery_by_kind(faults: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def verdict_counts(verdicts: list[Verdict]) -> dict[str, int]:
+    """PASS, FAIL and N/A counted apart: an N/A proved nothing and is never a pass."""
+    counts = {"pass": 0, "fail": 0, "na": 0}
+    for v in verdicts:
+        counts[{"PASS": "pass", "FAIL": "fail", "N/A": "na"}[v.status]] += 1
+    return counts
+
+
 def build_report(scenario_name: str, obs: RunObservation, verdicts: list[Verdict], *,
                  baselines: dict[str, dict[str, Any]] | None = None,
                  window_s: float = DETECTION_WINDOW_S, reason: str = "") -> dict[str, Any]:
@@ -207,6 +215,8 @@ def build_report(scenario_name: str, obs: RunObservation, verdicts: list[Verdict
         "restarts": restarts_by(obs.events),
         "recovery_ms": _recovery_by_kind(faults),
         "invariants": [v.to_dict() for v in verdicts],
+        "verdicts": verdict_counts(verdicts),
+        "notes": list(obs.notes),
         "goodput": good,
         "baselines": baselines or {},
     }

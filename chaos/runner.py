@@ -40,8 +40,6 @@ from typing import Any
 
 from erlay.actors.config import JobConfig, load_config
 from erlay.actors.job.driver import Job, JobResult
-from erlay.actors.journal.store import Journal
-from erlay.actors.journal.transitions import MemoryTransitions
 from erlay.actors.rundir import RunDir
 from erlay.chaos.faults import FaultRecord
 from erlay.chaos.gather import observe_run
@@ -149,8 +147,7 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
         ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                    runtime_env={"env_vars": {
                        failpoints.ENV_VAR: failpoints.env_value(env_faults)}})
-    memory = MemoryTransitions()
-    job = Job(cfg, RunDir.create(parent, f"{scenario.name}-{name}"), transitions=memory)
+    job = Job(cfg, RunDir.create(parent, f"{scenario.name}-{name}"))
     results: list[JobResult | BaseException] = []
 
     def target() -> None:
@@ -208,7 +205,7 @@ def run_once(scenario: Scenario, config: Path | None, parent: Path, name: str, *
     elif result is not None and not stalled:
         status, reason = "failed", repr(result)
     orphans = watch.orphans()
-    observation = observe_run(cfg, job.run_dir, memory, injector.records, wall_s, status,
+    observation = observe_run(cfg, job.run_dir, injector.records, wall_s, status,
                               result.offender if isinstance(result, JobResult) else None,
                               orphans, started_at=job._t0, not_injected=not_injected)
     return RunOutcome(name, job.run_dir, status, reason, wall_s, observation,
@@ -407,10 +404,17 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     run_path = _wait_for_rundir(parent / f"{scenario.name}-{name}", proc, scenario.duration_s)
     time.sleep(delay)
+    alive = proc.poll() is None
     records = [FaultRecord(id=0, kind="driver_kill", target="driver", domain="driver",
                            at=time.time(), expect="absorbed", detail=f"pid {proc.pid}")]
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    if alive:
+        os.kill(proc.pid, signal.SIGKILL)
+    code = proc.wait(timeout=30)
+    # The kill landed only if the driver was running and died of it: a driver that had
+    # already ended proves nothing about a resume.
+    not_injected = [] if alive and code == -signal.SIGKILL else [
+        f"faults.0 (driver_kill driver): the driver ended with exit code {code} "
+        + ("before the kill" if not alive else "instead of dying of the SIGKILL")]
     time.sleep(2.0)  # Ray's processes share the driver's fate; let them go
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -422,14 +426,10 @@ def _run_with_driver_kill(scenario: Scenario, config: Path | None, parent: Path,
     wall_s = time.time() - started
     status = "finished" if resumed.returncode == 0 else "failed"
     run_dir = RunDir(run_path)
-    with Journal.open(run_path / "journal", read_only=True) as journal:
-        consumed = dict(journal.state.consumed)
-        dispatched = set(journal.state.consumed) | set(journal.state.rollouts)
-    # The killed driver's stream died with it: only the journal's state is known here.
-    observation = observe_run(cfg, run_dir, None, records, wall_s, status, None,
-                              watch.orphans(), consumed=consumed, dispatched=dispatched)
+    observation = observe_run(cfg, run_dir, records, wall_s, status, None, watch.orphans(),
+                              not_injected=not_injected)
     return RunOutcome(name, run_dir, status, resumed.stderr[-2000:], wall_s, observation,
-                      records)
+                      records, not_injected=not_injected)
 
 
 def _wait_for_rundir(parent: Path, proc: subprocess.Popen[bytes], bound: float) -> Path:

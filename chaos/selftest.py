@@ -1,26 +1,31 @@
 """``erlay chaos selftest``: every chaos invariant proves it can fail.
 
-A clean run directory is written by erlay's real writers (the journal, the learner ledger,
-the checkpoint writer, the metrics and events files), watched by a real
-:class:`~erlay.chaos.processes.ProcessWatch`, and gathered by the same code the chaos runner
-uses (:func:`erlay.chaos.gather.observe_run`).  Every invariant runs twice:
+A small run is written by erlay's real writers (the journal with its snapshots and
+retention, the learner ledger, the checkpoint writer, the metrics, events and summary
+files) while a real :class:`~erlay.chaos.processes.ProcessWatch` watches, and a real child
+process stands for an engine that the run's one fault SIGKILLs.  It is gathered by the code
+``erlay chaos run`` and ``erlay verify`` use (:func:`erlay.chaos.evidence.observe_dir`) and
+judged against a *separate* fault-free run written the same way.  On it every invariant
+must PASS (anything else is a *false alarm*).
 
-- on the clean run, where it must pass (a failure there is a *false alarm*; N/A only where
-  the invariant does not apply, which the clean run is built to avoid: it has a fault-free
-  baseline, ``max_staleness`` 0 and one fault);
-- on a copy with one violation planted for it (a lost rollout, a rollout trained twice, a
-  stale sample trained, a step out of order, a tool call executed twice, a judgement changed
-  on replay, a torn checkpoint that looks complete, a real orphan process, ...), where it
-  must FAIL (*caught*).
+Then each plant (:data:`PLANTS`, at least one per invariant) writes the run again with one
+bug, made the way the bug would make it: the writer skips, repeats or reorders what it
+records (a consumption never journaled, a duplicate inside one batch, a ledger missing a
+step, a tool call run again after its result, a judgement changed on replay), the fault
+misses, a child escapes into its own session; or the files are damaged afterwards as a
+disk or an operator would (a deleted journal or events file, a truncated ledger, a torn
+checkpoint that looks committed).  Its invariant must FAIL (*caught*).
 
-Prints a table, then one JSON line ``{"invariants": N, "planted": N, "caught": N,
-"false_alarms": 0}``; exits 0 only when every invariant has a plant, every plant is caught,
-and nothing raised a false alarm.  Takes seconds, starts no Ray.
+Prints a table, then one JSON line ``{"invariants", "covered", "planted", "caught",
+"false_alarms"}``; exits 0 only when every invariant has a plant, every plant is caught,
+there are at least :data:`MIN_PLANTS`, and nothing raised a false alarm.  Takes seconds,
+starts no Ray.  ``tests/chaos/test_verify.py`` runs ``erlay verify`` on the same plants.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -29,40 +34,77 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from erlay.actors.config import JobConfig, load_config
+from erlay.actors.config import load_config
 from erlay.actors.journal.store import Journal
-from erlay.actors.journal.transitions import MemoryTransitions, Transition, TransitionKind
+from erlay.actors.journal.transitions import Transition, TransitionKind
 from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
-from erlay.actors.learner.ledger import LearnerLedger, read_ledger
+from erlay.actors.learner.ledger import LearnerLedger
 from erlay.actors.observe.goodput import StepCounts
 from erlay.actors.rundir import RunDir
+from erlay.chaos.evidence import observe_dir
 from erlay.chaos.faults import FaultRecord
-from erlay.chaos.gather import checkpoint_problems, observe_run
 from erlay.chaos.invariants import INVARIANTS, check_all
 from erlay.chaos.observation import RunObservation
 from erlay.chaos.processes import ProcessWatch
-from erlay.supervisor.events import EventKind, JsonlSink, SupervisorEvent, read_events
+from erlay.supervisor.events import EventKind, JsonlSink, SupervisorEvent
 
-STEPS, ROLLOUTS = 4, 4
+STEPS, ROLLOUTS, CHECKPOINT_EVERY = 5, 4, 2
+MIN_PLANTS = 20
 ENGINE = "erlay/generation/engine-0"
 K = TransitionKind
 
+# name -> (the invariant it must fail, the bug).
+PLANTS: dict[str, tuple[str, str]] = {
+    "consume_skipped": ("no_rollout_lost", "the coordinator never journals one consumption"),
+    "journal_deleted": ("no_rollout_lost", "the journal directory is deleted"),
+    "consumed_by_two_steps": ("no_duplicate_consumption",
+                              "a rollout of step 1 is consumed again by step 2"),
+    "duplicate_in_batch": ("exactly_once", "one rollout is fed twice inside one batch"),
+    "ledger_step_missing": ("exactly_once", "the learner never records step 2 in its ledger"),
+    "ledger_truncated": ("exactly_once", "ledger.jsonl is cut in half"),
+    "kept_not_journaled": ("exactly_once", "the last step is checkpointed, then the job dies "
+                           "before the journal records its consumption"),
+    "stale_trained": ("staleness_within_bound", "a sample one version too old is trained"),
+    "steps_swapped": ("steps_in_order", "the learner trains step 3 before step 2"),
+    "tool_again": ("tool_calls_once", "a replay runs a tool call after its result"),
+    "tool_again_compacted": ("tool_calls_once", "a replay runs a step-0 tool call again "
+                             "(its segment compacted away since)"),
+    "tool_result_differs": ("tool_calls_once", "one call key gets two different results"),
+    "judgement_changed": ("judgements_stable", "a replay judges a sample again, differently"),
+    "checkpoint_torn": ("checkpoints_intact", "a byte of a committed checkpoint flips"),
+    "checkpoints_deleted": ("checkpoints_intact", "the checkpoints directory is deleted"),
+    "replay_diverged": ("replay_identical", "a resumed rollout continues with other tokens"),
+    "exit_unseen": ("faults_detected", "no supervisor reports the engine's exit"),
+    "restart_loop": ("restart_intensity_respected",
+                     "a supervisor restarts past its intensity instead of escalating"),
+    "events_deleted": ("restart_intensity_respected", "events.jsonl is deleted"),
+    "orphan_escaped": ("no_orphans", "a child double-forks into its own session and stays"),
+    "reward_collapsed": ("reward_within_tolerance", "every reward is 0"),
+    "run_failed": ("expected_end", "the run ends failed"),
+    "fault_missed": ("faults_injected", "the engine had exited before the SIGKILL"),
+    "judge_failing": ("samples_judged", "the judge fails half of every step's samples"),
+}
+
 
 @dataclasses.dataclass
-class Built:
-    """The clean run: its config, run dir, teed journal stream and observation inputs."""
+class Written:
+    """A run the selftest wrote, with what only a runner knows about it."""
 
-    cfg: JobConfig
     run_dir: RunDir
-    memory: MemoryTransitions
-    fault: FaultRecord
+    faults: list[FaultRecord]
+    not_injected: list[str]
     orphans: list[dict[str, Any]]
+
+    def observe(self) -> RunObservation:
+        """Its observation, gathered as ``erlay chaos run`` gathers one."""
+        obs = observe_dir(self.run_dir.path)
+        return dataclasses.replace(obs, faults=self.faults, not_injected=self.not_injected,
+                                   orphans=self.orphans, wall_s=10.0)
 
 
 def _rid(step: int, k: int) -> str:
@@ -70,211 +112,210 @@ def _rid(step: int, k: int) -> str:
 
 
 class _Sample:
-    judged_ok, user_error, judge_kind, poison = True, None, "", 0
+    def __init__(self, judged_ok: bool = True) -> None:
+        self.judged_ok, self.user_error, self.judge_kind, self.poison = (
+            judged_ok, None, "unavailable", 0)   # not the judge's own cause
 
 
-def build_clean(root: Path) -> Built:
-    """Write a clean four-step run under ``root`` with erlay's own writers."""
-    cfg = load_config(None, ["rollout.max_staleness=0", f"run.storage={root}"])
-    run_dir = RunDir.create(root, "selftest")
-    memory = MemoryTransitions()
-    ledger = LearnerLedger(run_dir.ledger)
-    events = JsonlSink(run_dir.events)
-    t0 = time.time()
-    fault = FaultRecord(0, "sigkill", ENGINE, "generation", t0 + 1.0, "restart", "planted")
-    events.emit(SupervisorEvent("erlay/generation", "engine-0", EventKind.EXIT,
-                                "killed: SIGKILL", 0, t0 + 1.2))
-    events.emit(SupervisorEvent("erlay/generation", "engine-0", EventKind.RESTART,
-                                "restarted", 1, t0 + 1.3))
-    events.emit(SupervisorEvent("erlay/generation", "engine-0", EventKind.START,
-                                "started", 1, t0 + 1.5))
-    events.close()
-    ledger.started(0, False)
-    with Journal.open(run_dir.journal) as journal:
-        def record(t: Transition) -> None:
-            journal.record(t)
-            memory.record(t)
-        for step in range(STEPS):
-            counts = StepCounts()
-            ids = [_rid(step, k) for k in range(ROLLOUTS)]
-            for k, rid in enumerate(ids):
-                record(Transition(K.DISPATCHED, rid, {"step": step, "version": step}))
-                record(Transition(K.CHUNK, rid, {"turn": 0, "start": 0, "token_ids": [1, 2],
-                                                  "logprobs": [-0.1, -0.2], "version": step}))
-                record(Transition(K.TOOL_CALL, rid, {"key": f"{rid}/tool0", "code": "1+1"}))
-                record(Transition(K.TOOL_RESULT, rid, {"key": f"{rid}/tool0",
-                                                       "result": {"stdout": "2"}}))
-                record(Transition(K.JUDGED, rid, {"key": f"{rid}/judge",
-                                                  "judgement": {"reward": float(k % 2)}}))
-                record(Transition(K.COMPLETED, rid, {"reward": float(k % 2)}))
-                counts.add(_Sample(), True, 2)
-            ledger.trained(step, step, ids, [[step, step]] * len(ids), [[True, True]] * len(ids))
-            for rid in ids:
-                record(Transition(K.CONSUMED, rid, {"step": step, "version": step + 1}))
-            run_dir.append_metrics({"phase": "rl", "step": step, "time": 2.0 + step,
-                                    "reward_mean": 0.5, "tokens_digest": f"digest-{step}",
-                                    "staleness_max": 0, **counts.to_dict(),
-                                    "gen_window": [t0 + step, t0 + step + 0.5],
-                                    "train_window": [t0 + step + 0.5, t0 + step + 1.0]})
-            if step % 2 == 1:   # the learner's checkpoint after steps 1 and 3
-                run_dir.checkpoints.mkdir(exist_ok=True)
-                write_checkpoint_dir(run_dir.checkpoints / step_dir_name(step + 1), step + 1,
-                                     {"w": torch.full((64,), float(step))}, {})
-    return Built(cfg, run_dir, memory, fault, [])
+def _tokens(step: int, k: int, bug: str | None) -> list[int]:
+    diverged = bug == "replay_diverged" and step == 2 and k == 1
+    return [step + 1, k + 2, 9 if diverged else 3]
 
 
-def observe(b: Built, **changes: Any) -> RunObservation:
-    """The observation of ``b`` as the runner gathers it, with ``changes`` applied."""
-    obs = observe_run(b.cfg, b.run_dir, b.memory, [b.fault], 10.0, "finished", None,
-                      b.orphans, started_at=None)
-    return dataclasses.replace(obs, **changes)
+def _engine(bug: str | None) -> subprocess.Popen[bytes]:
+    """A real child standing for the engine the fault kills."""
+    code = "pass" if bug == "fault_missed" else "import time; time.sleep(60)"
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
-def _copy(b: Built, root: Path, name: str) -> Built:
-    target = root / name
-    shutil.copytree(b.run_dir.path, target)
-    memory = MemoryTransitions()
-    for t in b.memory.items:
-        memory.record(t)
-    return dataclasses.replace(b, run_dir=RunDir(target), memory=memory)
+def _escape() -> subprocess.Popen[bytes]:
+    """A child that makes its own session and double-forks a sleeper into it: the sleeper
+    is reparented away, as a leaked sandbox is, and only its session ties it to the run."""
+    code = ("import os, time; os.setsid(); time.sleep(0.3)\n"
+            "if os.fork() == 0:\n    time.sleep(60)\nos._exit(0)")
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
-def _without(memory: MemoryTransitions, keep: Callable[[Transition], bool]) -> None:
-    memory.items[:] = [t for t in memory.items if keep(t)]
-
-
-def _rewrite_ledger(b: Built, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
-                    ) -> None:
-    records = edit(read_ledger(b.run_dir.ledger))
-    b.run_dir.ledger.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def _rewrite_metrics(b: Built, edit: Callable[[dict[str, Any]], None]) -> None:
-    records = b.run_dir.read_metrics()
-    for rec in records:
-        edit(rec)
-    b.run_dir.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def _orphan(b: Built) -> list[dict[str, Any]]:
-    """Start a real process that escapes into its own session and outlives its parent, as a
-    leaked sandbox would, and let a ProcessWatch find it; it is killed afterwards."""
+def write_run(root: Path, name: str, bug: str | None = None, *,
+              faulted: bool = True) -> Written:
+    """Write a five-step run named ``name`` under ``root`` with erlay's own writers, with
+    the plant ``bug`` (a key of :data:`PLANTS`) made where the bug would make it."""
+    if bug is not None and bug not in PLANTS:
+        raise ValueError(f"unknown plant {bug!r}")
+    run_dir = RunDir.create(root, name)
+    run_dir.config.write_text(f"run: {{name: selftest, steps: {STEPS}}}\n"
+                              "rollout: {max_staleness: 0}\n"
+                              f"checkpoint: {{every_steps: {CHECKPOINT_EVERY}}}\n")
+    load_config(run_dir.config, [])   # the config the verifier reads must load
     watch = ProcessWatch(sample_s=0.05).start()
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             start_new_session=True)
-    time.sleep(0.3)
-    found = watch.orphans(grace_s=0.5)
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
-    return found
+    t0 = time.time()
+    events = JsonlSink(run_dir.events)
+    for domain in ("generation", "learner", "rollout"):
+        events.emit(SupervisorEvent("erlay", domain, EventKind.START, "started", 0, t0))
+    faults: list[FaultRecord] = []
+    not_injected: list[str] = []
+    if faulted:
+        engine = _engine(bug)
+        time.sleep(0.2)
+        os.kill(engine.pid, signal.SIGKILL)
+        code = engine.wait()
+        at = time.time()
+        faults.append(FaultRecord(0, "sigkill", ENGINE, "generation", at, "restart",
+                                  f"pid {engine.pid}"))
+        if code != -signal.SIGKILL:
+            not_injected.append(f"faults.0 (sigkill {ENGINE}): exited with {code} first")
+        if bug != "exit_unseen":
+            events.emit(SupervisorEvent("erlay/generation", "engine-0", EventKind.EXIT,
+                                        "killed: SIGKILL", 0, at + 0.1))
+        events.emit(SupervisorEvent("erlay/generation", "engine-0", EventKind.RESTART,
+                                    "restarted", 1, at + 0.2))
+        events.emit(SupervisorEvent("erlay/generation", "engine-0", EventKind.START,
+                                    "started", 1, at + 0.3))
+        if bug == "restart_loop":
+            for i in range(6):
+                events.emit(SupervisorEvent("erlay/generation", "engine-1", EventKind.RESTART,
+                                            "restarted", i, at + 0.4 + 0.1 * i))
+    events.close()
+    escaped = _escape() if bug == "orphan_escaped" else None
+    ledger = LearnerLedger(run_dir.ledger)
+    ledger.started(0, False)
+    status = "finished"
+    with Journal.open(run_dir.journal, snapshot_every=None) as journal:
+        order = [0, 1, 3, 2, 4] if bug == "steps_swapped" else list(range(STEPS))
+        for step in order:
+            status = _step(run_dir, journal, ledger, step, bug, t0)
+            if status != "finished":
+                break
+    if escaped is not None:
+        escaped.wait()
+        time.sleep(0.2)
+    orphans = watch.orphans(grace_s=0.5)
+    for orphan in orphans:   # found: now end it
+        try:
+            os.killpg(os.getsid(int(orphan["pid"])), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    run_dir.write_summary("failed" if bug == "run_failed" else status, time.time() - t0)
+    _damage(run_dir, bug)
+    return Written(run_dir, faults, not_injected, orphans)
 
 
-def _plants(b: Built, root: Path) -> dict[str, RunObservation]:
-    """One planted violation per invariant: the observation of a copy of the clean run."""
-    p: dict[str, RunObservation] = {}
-    lost = _copy(b, root, "lost")
-    _without(lost.memory, lambda t: not (t.kind is K.CONSUMED and t.rollout_id == _rid(1, 2)))
-    p["no_rollout_lost"] = observe(lost)
-    dup = _copy(b, root, "dup")
-    dup.memory.record(Transition(K.CONSUMED, _rid(1, 0), {"step": 2, "version": 3}))
-    p["no_duplicate_consumption"] = observe(dup)
-    twice = _copy(b, root, "twice")   # step 2 trained again with no restore between
-    _rewrite_ledger(twice, lambda rs: [*rs, next(r for r in rs if r.get("step") == 2
-                                                 and "event" not in r)])
-    p["exactly_once"] = observe(twice)
-    stale = _copy(b, root, "stale")
-
-    def older(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for r in rs:
-            if r.get("step") == 3 and "trained" in r:
-                for row in r["trained"]:
-                    if row[0] == _rid(3, 0):
-                        row[1] = r["version"] - 1   # trained one version late
-        return rs
-    _rewrite_ledger(stale, older)
-    p["staleness_within_bound"] = observe(stale)
-    order = _copy(b, root, "order")
-    _rewrite_ledger(order, lambda rs: [rs[0], rs[1], rs[3], rs[2], *rs[4:]])
-    p["steps_in_order"] = observe(order)
-    tool = _copy(b, root, "tool")     # a replay that ran the call despite its journaled result
-    tool.memory.record(Transition(K.TOOL_CALL, _rid(0, 1), {"key": f"{_rid(0, 1)}/tool0",
-                                                            "code": "1+1"}))
-    tool.memory.record(Transition(K.TOOL_RESULT, _rid(0, 1), {"key": f"{_rid(0, 1)}/tool0",
-                                                              "result": {"stdout": "2"}}))
-    p["tool_calls_once"] = observe(tool)
-    judge = _copy(b, root, "judge")
-    judge.memory.record(Transition(K.JUDGED, _rid(2, 1), {"key": f"{_rid(2, 1)}/judge",
-                                                          "judgement": {"reward": 0.0}}))
-    p["judgements_stable"] = observe(judge)
-    torn = _copy(b, root, "torn")     # same size, manifest intact: it looks complete
-    state = torn.run_dir.checkpoints / step_dir_name(4) / "state.pt"
-    data = bytearray(state.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    state.write_bytes(bytes(data))
-    p["checkpoints_intact"] = observe(torn)
-    digest = _copy(b, root, "digest")
-    _rewrite_metrics(digest, lambda r: r.update(tokens_digest="other")
-                     if r.get("step") == 2 else None)
-    p["replay_identical"] = observe(digest)
-    unseen = _copy(b, root, "unseen")
-    kept = [e for e in read_events(unseen.run_dir.events) if e.context is not EventKind.EXIT]
-    unseen.run_dir.events.write_text("".join(json.dumps(e.to_dict()) + "\n" for e in kept))
-    p["faults_detected"] = observe(unseen)
-    loop = _copy(b, root, "loop")
-    sink = JsonlSink(loop.run_dir.events)
-    for i in range(b.cfg.supervision.generation.intensity + 1):
-        sink.emit(SupervisorEvent("erlay/generation", "engine-1", EventKind.RESTART,
-                                  "restarted", i, b.fault.at + 2.0 + 0.1 * i))
-    sink.close()
-    p["restart_intensity_respected"] = observe(loop)
-    p["no_orphans"] = observe(b, orphans=_orphan(b))
-    worse = _copy(b, root, "worse")
-    _rewrite_metrics(worse, lambda r: r.update(reward_mean=0.0) if "reward_mean" in r else None)
-    p["reward_within_tolerance"] = observe(worse)
-    p["expected_end"] = observe(b, status="failed")
-    p["faults_injected"] = observe(b, not_injected=["faults.1 (sigkill erlay/learner/"
-                                                    "learner-0): never fired"])
-    unjudged = _copy(b, root, "unjudged")
-
-    def unjudge(r: dict[str, Any]) -> None:
-        if r.get("phase") == "rl":
-            r.update(judge_failed=2, trained_samples=r["trained_samples"] - 2)
-    _rewrite_metrics(unjudged, unjudge)
-    p["samples_judged"] = observe(unjudged)
-    return p
+def _step(run_dir: RunDir, journal: Journal, ledger: LearnerLedger, step: int,
+          bug: str | None, t0: float) -> str:
+    """One RL step: its rollouts journaled, trained (ledger), consumed, reported and, every
+    ``CHECKPOINT_EVERY`` steps and at the end, checkpointed with a journal snapshot.
+    Returns ``failed`` when the plant kills the job here."""
+    counts = StepCounts()
+    ids = [_rid(step, k) for k in range(ROLLOUTS)]
+    digest = hashlib.sha256()
+    for k, rid in enumerate(ids):
+        tokens = _tokens(step, k, bug)
+        digest.update(json.dumps([rid, tokens]).encode())
+        key = f"{rid}/tool0"
+        journal.record(Transition(K.DISPATCHED, rid, {"step": step, "version": step}))
+        journal.record(Transition(K.CHUNK, rid, {"turn": 0, "start": 0, "token_ids": tokens,
+                                                 "logprobs": [-0.1] * 3, "version": step}))
+        journal.record(Transition(K.TOOL_CALL, rid, {"key": key, "code": "1+1"}))
+        journal.record(Transition(K.TOOL_RESULT, rid, {"key": key, "result": {"stdout": "2"}}))
+        if k == 1 and step == {"tool_again": 4, "tool_again_compacted": 0}.get(bug or ""):
+            journal.record(Transition(K.TOOL_CALL, rid, {"key": key, "code": "1+1"}))
+        if bug == "tool_result_differs" and step == 4 and k == 2:
+            journal.record(Transition(K.TOOL_RESULT, rid, {"key": key,
+                                                           "result": {"stdout": "3"}}))
+        judgement = {"reward": float(k % 2), "ok": True}
+        journal.record(Transition(K.JUDGED, rid, {"key": f"{rid}/judge",
+                                                  "judgement": judgement}))
+        if bug == "judgement_changed" and step == 4 and k == 1:
+            journal.record(Transition(K.JUDGED, rid, {"key": f"{rid}/judge",
+                                                      "judgement": {"reward": 0.0, "ok": True}}))
+        journal.record(Transition(K.COMPLETED, rid, {"reward": float(k % 2)}))
+        counts.add(_Sample(judged_ok=not (bug == "judge_failing" and k % 2)), True,
+                   0 if bug == "judge_failing" and k % 2 else 3)
+    fed = [*ids, ids[0]] if bug == "duplicate_in_batch" and step == 3 else ids
+    lag = 1 if bug == "stale_trained" and step == 3 else 0
+    if not (bug == "ledger_step_missing" and step == 2):
+        ledger.trained(step, step, fed, [[step - lag] * 3] * len(fed), [[True] * 3] * len(fed))
+    last = step == STEPS - 1
+    checkpoint = (step + 1) % CHECKPOINT_EVERY == 0 or last
+    if bug == "kept_not_journaled" and last:
+        _checkpoint(run_dir, journal, step)   # saved before the journal record: the bug
+        return "failed"
+    for rid in ids:
+        if not (bug == "consume_skipped" and rid == _rid(1, 2)):
+            journal.record(Transition(K.CONSUMED, rid, {"step": step, "version": step + 1}))
+    if bug == "consumed_by_two_steps" and step == 2:
+        journal.record(Transition(K.CONSUMED, _rid(1, 0), {"step": 2, "version": 3}))
+    journal.flush()
+    reward = 0.0 if bug == "reward_collapsed" else 0.5
+    run_dir.append_metrics({"phase": "rl", "step": step, "time": 2.0 + step,
+                            "reward_mean": reward, "tokens_digest": digest.hexdigest(),
+                            "gen_tokens": 3 * ROLLOUTS, "staleness_max": 0, **counts.to_dict(),
+                            "gen_window": [t0 + step, t0 + step + 0.5],
+                            "train_window": [t0 + step + 0.5, t0 + step + 1.0]})
+    if checkpoint:
+        _checkpoint(run_dir, journal, step)
+    return "finished"
 
 
-def run_selftest(keep: Path | None = None, out: Any = print) -> dict[str, int]:
-    """Run the selftest, print its table and JSON line through ``out``; return the JSON."""
+def _checkpoint(run_dir: RunDir, journal: Journal, step: int) -> None:
+    """The coordinator's checkpoint: a journal snapshot (which compacts and applies
+    retention), then the learner's state after ``step``."""
+    journal.snapshot()
+    run_dir.checkpoints.mkdir(exist_ok=True)
+    write_checkpoint_dir(run_dir.checkpoints / step_dir_name(step + 1), step + 1,
+                         {"w": torch.full((64,), float(step))}, {})
+
+
+def _damage(run_dir: RunDir, bug: str | None) -> None:
+    """The plants a disk or an operator makes, after the run."""
+    if bug == "journal_deleted":
+        shutil.rmtree(run_dir.journal)
+    elif bug == "events_deleted":
+        run_dir.events.unlink()
+    elif bug == "checkpoints_deleted":
+        shutil.rmtree(run_dir.checkpoints)
+    elif bug == "ledger_truncated":
+        data = run_dir.ledger.read_bytes()
+        run_dir.ledger.write_bytes(data[:len(data) // 2])
+    elif bug == "checkpoint_torn":     # same size, manifest intact: it looks complete
+        state = run_dir.checkpoints / step_dir_name(STEPS) / "state.pt"
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+
+
+def judge(obs: RunObservation, fault_free: RunObservation) -> dict[str, Any]:
+    """The verdicts on ``obs`` by name, against the fault-free run."""
+    return {v.name: v for v in check_all(obs, fault_free=fault_free)}
+
+
+def run_selftest(keep: Path | None = None, out: Any = print,
+                 only: list[str] | None = None) -> dict[str, int]:
+    """Run the selftest, print its table and JSON line through ``out``; return the JSON.
+    ``only``: these plants alone (a test's shortcut; ``passed`` then says False)."""
     root = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="erlay-selftest-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        clean = build_clean(root)
-        assert all(problem is None for _, problem in checkpoint_problems(
-            clean.run_dir.checkpoints))
-        baseline = observe(clean)
-        clean_verdicts = {v.name: v for v in check_all(observe(clean), fault_free=baseline)}
-        plants = _plants(clean, root)
-        rows, caught, false_alarms = [], 0, 0
-        for name in INVARIANTS:
-            ok = clean_verdicts[name]
-            false_alarms += ok.ok is not True
-            planted = plants.get(name)
-            verdict = None if planted is None else next(
-                v for v in check_all(planted, fault_free=baseline) if v.name == name)
-            hit = verdict is not None and verdict.ok is False
+        baseline = write_run(root, "fault-free", faulted=False).observe()
+        clean = judge(write_run(root, "clean").observe(), baseline)
+        rows, caught = [], 0
+        for plant, (name, bug) in PLANTS.items():
+            if only is not None and plant not in only:
+                continue
+            verdict = judge(write_run(root, plant, plant).observe(), baseline)[name]
+            hit = verdict.ok is False
             caught += hit
-            rows.append((name, ok.status, "-" if verdict is None else verdict.status,
-                         "yes" if hit else "NO", (verdict.detail if verdict else
-                                                  "no violation planted")[:90]))
-        out(f"{'invariant':30s} {'clean':6s} {'planted':8s} {'caught':7s} detail")
-        for name, clean_status, planted_status, hit, detail in rows:
-            out(f"{name:30s} {clean_status:6s} {planted_status:8s} {hit:7s} {detail}")
-        for name, v in clean_verdicts.items():
-            if v.ok is not True:
-                out(f"false alarm: {name}: {v.status}: {v.detail}")
-        result = {"invariants": len(INVARIANTS), "planted": len(plants), "caught": caught,
-                  "false_alarms": false_alarms}
+            rows.append((plant, name, verdict.status, "yes" if hit else "NO",
+                         f"{bug}: {verdict.detail}"[:110]))
+        out(f"{'plant':22s} {'invariant':28s} {'verdict':7s} {'caught':6s} bug: detail")
+        for row in rows:
+            out(f"{row[0]:22s} {row[1]:28s} {row[2]:7s} {row[3]:6s} {row[4]}")
+        false_alarms = [v for v in clean.values() if v.ok is not True]
+        for v in false_alarms:
+            out(f"false alarm on the clean run: {v.name}: {v.status}: {v.detail}")
+        covered = {row[1] for row in rows}
+        result = {"invariants": len(INVARIANTS), "covered": len(covered & set(INVARIANTS)),
+                  "planted": len(rows), "caught": caught, "false_alarms": len(false_alarms)}
         out(json.dumps(result))
         return result
     finally:
@@ -283,6 +324,8 @@ def run_selftest(keep: Path | None = None, out: Any = print) -> dict[str, int]:
 
 
 def passed(result: dict[str, int]) -> bool:
-    """Whether the selftest proves every invariant: all planted, all caught, no alarm."""
-    return (result["caught"] == result["planted"] == result["invariants"]
+    """Whether the selftest proves every invariant: each covered by a plant, every plant
+    caught, at least :data:`MIN_PLANTS` of them, no false alarm on the clean run."""
+    return (result["covered"] == result["invariants"]
+            and result["caught"] == result["planted"] >= MIN_PLANTS
             and result["false_alarms"] == 0)

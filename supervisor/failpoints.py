@@ -65,6 +65,7 @@ log = logging.getLogger("erlay.failpoints")
 ENV_VAR = "ERLAY_FAILPOINTS"
 KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "judge.score",
          "judge.verdict", "learner.train_step", "learner.checkpoint", "rollout.dispatch",
+         "rollout.after_train",
          "host.spawn",
          # The stages of a checkpoint: the snapshot (actors/learner/snapshot.py), the
          # worker's write and fsync (checkpoint_format.py), the commit (checkpoint_commit.py)

@@ -266,6 +266,7 @@ def test_commands_come_from_their_packages_entry_points() -> None:
                        "report": "erlay.actors.commands:REPORT",
                        "export": "erlay.actors.commands:EXPORT",
                        "chaos": "erlay.chaos.commands:CHAOS",
+                       "verify": "erlay.chaos.commands:VERIFY",
                        "topology": "erlay.supervisor.node.commands:TOPOLOGY"}
 
 

@@ -52,6 +52,7 @@ from erlay.judges.budget import CircuitBreaker
 from erlay.supervisor import telemetry
 from erlay.supervisor.deadline import within
 from erlay.supervisor.errors import CallDeadlineExceeded
+from erlay.supervisor.failpoints import afailpoint
 from erlay.supervisor.loopthread import LoopThread
 from erlay.supervisor.progress import Progress
 from erlay.supervisor.tree import ChildRef
@@ -267,6 +268,10 @@ class RolloutCoordinator:
                 if metrics.get("stale_step"):
                     n = await self._rewind(n, int(metrics["learner_step"]))
                     continue
+                # Chaos: a crash after the learner's step (in its ledger) and before the
+                # journal records its consumption; exactly-once must tell a step a
+                # checkpoint kept from one the failed run lost.
+                await afailpoint("rollout.after_train")
                 weights = await self._publish()
                 train_seconds = time.monotonic() - train_started
                 windows = {"gen_window": gen_window, "train_window": (train_began, time.time())}

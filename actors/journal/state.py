@@ -14,6 +14,13 @@ What a rollout keeps depends on its state (:class:`RolloutState`):
 - consumed rollouts keep their full record only until :func:`compact` (run at every
   snapshot) drops it.  Their id and learner step stay in ``JournalState.consumed`` for good,
   because exactly-once training relies on knowing every rollout a step already trained on.
+
+What the state keeps for good, so that ``erlay verify`` can judge a whole run from one
+snapshot and the segments after it: ``consumed`` (each id's first step), ``consumed_again``
+(the step of every later consumption of an id: a re-feed after a learner restore names the
+same step, a double use another one), ``kinds`` (how many transitions of each kind were
+ever folded) and ``anomalies`` (by reason; a tool call after its result was journaled, a
+different result or judgement for a key each have a reason of their own).
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ from erlay.actors.journal.transitions import Transition, TransitionKind
 # index into ``chunks``/``observations``, the key into ``tool_calls``/``tool_results``/
 # ``judgements``, or None for dispatched/completed/consumed.
 HistoryEntry = tuple[str, int | str | None]
+
+# Anomaly reasons the chaos invariants read (with the kind's value before them).
+AGAIN_AFTER_RESULT = "called again after its result was journaled"
+SAME_AGAIN = "key already has the same one"
+DIFFERENT = "key already has a different one"
 
 
 class RolloutState(enum.Enum):
@@ -103,8 +115,13 @@ class JournalState:
 
     rollouts: dict[str, RolloutRecord] = field(default_factory=dict)
     consumed: dict[str, int] = field(default_factory=dict)
+    consumed_again: dict[str, list[int]] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
     anomalies: dict[str, int] = field(default_factory=dict)
     applied: int = 0
+    # False when recovered from a snapshot written before ``kinds`` and ``consumed_again``
+    # were kept: their counts then cover only the records after it.
+    complete: bool = True
 
     # ------------------------------------------------------------------ queries
     def rollout(self, rollout_id: str) -> RolloutRecord | None:
@@ -179,6 +196,7 @@ def apply(state: JournalState, t: Transition) -> JournalState:
     rollout twice.
     """
     state.applied += 1
+    state.kinds[t.kind.value] = state.kinds.get(t.kind.value, 0) + 1
     record = state.rollouts.get(t.rollout_id)
     data = t.data
     if t.kind is TransitionKind.DISPATCHED:
@@ -209,6 +227,11 @@ def apply(state: JournalState, t: Transition) -> JournalState:
             if not isinstance(key, str):
                 _anomaly(state, t.kind, "no key")
                 return state
+            if key in record.tool_results:
+                # A replay must reuse a journaled result: a call announced after it is a
+                # tool call executed again (chaos invariant tool_calls_once).
+                _anomaly(state, t.kind, AGAIN_AFTER_RESULT)
+                return state
             if key in record.tool_calls:
                 return state  # idempotent: a resumed rollout may announce its call again
             record.tool_calls[key] = str(data.get("code", ""))
@@ -221,7 +244,10 @@ def apply(state: JournalState, t: Transition) -> JournalState:
                 _anomaly(state, t.kind, "no key")
                 return state
             if key in table:
-                _anomaly(state, t.kind, "key already has one")
+                value = data.get("result" if t.kind is TransitionKind.TOOL_RESULT
+                                 else "judgement")
+                # Equal: the sandbox's idempotency cache answering a repeated call.
+                _anomaly(state, t.kind, SAME_AGAIN if table[key] == value else DIFFERENT)
                 return state
             if t.kind is TransitionKind.TOOL_RESULT and key not in record.tool_calls:
                 _anomaly(state, t.kind, "no matching tool call")
@@ -248,9 +274,12 @@ def _consume(state: JournalState, record: RolloutRecord | None, t: Transition) -
         return
     known = state.consumed.get(t.rollout_id)
     if known is not None:
+        # First step wins; a repeat of the same step (a re-feed after a learner restore) is
+        # idempotent for the fold, and every repeat is kept for the invariants.
+        state.consumed_again.setdefault(t.rollout_id, []).append(step)
         if known != step:
             _anomaly(state, t.kind, "already consumed by another step")
-        return  # first step wins; a repeat of the same step is idempotent
+        return
     state.consumed[t.rollout_id] = step
     if record is None:
         _anomaly(state, t.kind, "unknown rollout")
@@ -281,6 +310,9 @@ def state_to_dict(state: JournalState) -> dict[str, Any]:
     return {
         "applied": state.applied,
         "consumed": state.consumed,
+        "consumed_again": state.consumed_again,
+        "kinds": state.kinds,
+        "complete": state.complete,
         "anomalies": state.anomalies,
         "rollouts": [{
             "rollout_id": r.rollout_id, "dispatched": r.dispatched, "chunks": r.chunks,
@@ -309,5 +341,10 @@ def state_from_dict(data: dict[str, Any]) -> JournalState:
         rollouts[record.rollout_id] = record
     return JournalState(rollouts=rollouts,
                         consumed={str(k): int(v) for k, v in data["consumed"].items()},
+                        # Absent from snapshots written before they were kept.
+                        consumed_again={str(k): [int(s) for s in v] for k, v in
+                                        data.get("consumed_again", {}).items()},
+                        kinds={str(k): int(v) for k, v in data.get("kinds", {}).items()},
                         anomalies={str(k): int(v) for k, v in data["anomalies"].items()},
-                        applied=int(data["applied"]))
+                        applied=int(data["applied"]),
+                        complete="kinds" in data and bool(data.get("complete", True)))

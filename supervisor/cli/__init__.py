@@ -2,7 +2,7 @@
 
 Every subcommand comes from the entry-point group ``erlay.commands``: each entry point names
 a :class:`Command` object, registered by the package that owns the command (``run``,
-``journal``, ``status``, ``report`` by :mod:`erlay.actors.commands`; ``chaos`` by
+``journal``, ``status``, ``report`` by :mod:`erlay.actors.commands`; ``chaos`` and ``verify`` by
 :mod:`erlay.chaos.commands`; ``topology`` by :mod:`erlay.supervisor.node.commands`).  This
 module imports none of them by name, so it sits on the lowest floor and the arrows of the
 house still point down (``docs/design.md``).

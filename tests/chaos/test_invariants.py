@@ -380,16 +380,17 @@ def test_check_all_runs_every_invariant_in_order() -> None:
     assert all(v.ok is not False for v in verdicts), [v for v in verdicts if v.ok is False]
     # N/A only where the invariant does not apply: no baseline, no fault.
     assert {v.name for v in verdicts if v.ok is None} == {
-        "replay_identical", "reward_within_tolerance", "faults_detected"}
+        "replay_identical", "reward_within_tolerance", "faults_detected",
+        "tool_calls_once", "judgements_stable"}  # the journal holds neither kind
     assert all(v.status == "N/A" for v in verdicts if v.ok is None)
 
 
 def test_check_all_fails_every_record_invariant_without_its_evidence() -> None:
-    """A run with steps but no ledger, stream or checkpoint listing passes nothing it could
+    """A run with steps but no ledger, journal or checkpoint listing passes nothing it could
     not check."""
     obs = RunObservation(dispatched_ids=set(rids(0)), steps_trained=1, metrics=[rl(0)],
                          consumed_transitions=[(r, 0) for r in rids(0)],
-                         stream_observed=False)
+                         journal_found=False)
     failed = {v.name for v in check_all(obs) if v.ok is False}
     assert {"exactly_once", "staleness_within_bound", "steps_in_order", "tool_calls_once",
             "judgements_stable", "checkpoints_intact"} <= failed

@@ -69,11 +69,37 @@ def test_a_restore_supersedes_what_the_lost_incarnation_trained() -> None:
 def test_journal_and_ledger_must_agree_both_ways() -> None:
     missing = exactly_once(run([start(), trained(0), trained(1)]))
     assert missing.ok is False and "never in the ledger" in missing.detail
-    extra = exactly_once(run([*CLEAN, trained(3)], steps=3))
-    assert extra.ok is False and "never consumed in the journal" in extra.detail
     moved = exactly_once(run([start(), trained(0), trained(1, ids=rids(2)),
                               trained(2, ids=rids(1))]))
     assert moved.ok is False and "other than its id's" in moved.detail
+    over = run(CLEAN)
+    over.consumed_transitions.append((rids(1)[0], 1))    # consumed twice, trained once
+    verdict = exactly_once(over)
+    assert verdict.ok is False and "more often than trained" in verdict.detail
+
+
+def test_training_no_checkpoint_kept_is_lost_with_the_run_not_a_violation() -> None:
+    """Step 3 trained, then the job died before the journal recorded it: with the newest
+    checkpoint at step 3 (steps 0..2 kept) a resume restores it and trains step 3 again, so
+    it is reported; with a checkpoint at step 4 that kept it, a resume would train it twice."""
+    lost = exactly_once(run([*CLEAN, trained(3)], checkpoints=[(3, None)], status="failed"))
+    assert lost.ok is True and "lost with the run" in lost.detail
+    kept = exactly_once(run([*CLEAN, trained(3)], checkpoints=[(4, None)], status="failed"))
+    assert kept.ok is False and "trained into the checkpoint at step 4" in kept.detail
+    torn = exactly_once(run([*CLEAN, trained(3)], checkpoints=[(4, "sha256 differs")],
+                            status="failed"))
+    assert torn.ok is True      # a torn checkpoint kept nothing (checkpoints_intact fails it)
+
+
+def test_training_a_restore_superseded_is_reported_until_trained_again() -> None:
+    """The learner trained 0..2 (all journaled), died, restored step 1's checkpoint, and
+    the run ended before step 1 was trained again: superseded, not lost; a finished run
+    that never trained it again lost it."""
+    ledger = [*CLEAN, start(1)]
+    failed = exactly_once(run(ledger, status="failed"))
+    assert failed.ok is True and "superseded by the restore to step 1" in failed.detail
+    finished = exactly_once(run(ledger, status="finished"))
+    assert finished.ok is False and "never in the ledger" in finished.detail
 
 
 def test_a_trained_sample_over_the_bound_fails_and_a_masked_one_does_not() -> None:
@@ -97,27 +123,52 @@ def test_without_a_ledger_the_ledger_invariants_fail_as_cannot_check() -> None:
         assert verdict.ok is False and verdict.detail.startswith("cannot check")
 
 
+def tools(events: list[tuple[str, str, Any]], **kw: Any) -> RunObservation:
+    return RunObservation(tool_events=events, journal_kinds={"tool_call": sum(
+        1 for kind, _, _ in events if kind == "call")}, **kw)
+
+
 def test_tool_calls_and_judgements() -> None:
     out = {"stdout": "4"}
     clean = [("call", "a/tool0", None), ("result", "a/tool0", out),
              ("call", "b/tool0", None), ("result", "b/tool0", out)]
-    assert tool_calls_once(RunObservation(tool_events=clean)).ok is True
+    assert tool_calls_once(tools(clean)).ok is True
     # Two calls before any result, answered alike: the sandbox's idempotency cache.
     cached = [("call", "a/tool0", None), ("call", "a/tool0", None),
               ("result", "a/tool0", out), ("result", "a/tool0", out)]
-    assert tool_calls_once(RunObservation(tool_events=cached)).ok is True
-    again = tool_calls_once(RunObservation(tool_events=[*clean, ("call", "a/tool0", None)]))
+    assert tool_calls_once(tools(cached)).ok is True
+    again = tool_calls_once(tools([*clean, ("call", "a/tool0", None)]))
     assert again.ok is False and "called again after its result" in again.detail
-    differ = tool_calls_once(RunObservation(
-        tool_events=[*cached[:3], ("result", "a/tool0", {"stdout": "5"})]))
+    differ = tool_calls_once(tools([*cached[:3], ("result", "a/tool0", {"stdout": "5"})]))
     assert differ.ok is False and "two different results" in differ.detail
     same = [("a/judge", {"reward": 1.0}), ("a/judge", {"reward": 1.0})]
-    assert judgements_stable(RunObservation(judgements=same)).ok is True
-    changed = judgements_stable(RunObservation(judgements=[*same, ("a/judge", {"reward": 0})]))
+    judged = {"judged": 3}
+    assert judgements_stable(RunObservation(judgements=same, journal_kinds=judged)).ok
+    changed = judgements_stable(RunObservation(judgements=[*same, ("a/judge", {"reward": 0})],
+                                               journal_kinds=judged))
     assert changed.ok is False and "a/judge" in changed.detail
-    unobserved = RunObservation(stream_observed=False)
-    assert tool_calls_once(unobserved).ok is False
-    assert judgements_stable(unobserved).ok is False
+    missing = RunObservation(journal_found=False)
+    assert tool_calls_once(missing).ok is False
+    assert judgements_stable(missing).ok is False
+
+
+def test_a_violation_compacted_out_of_the_segments_still_fails_by_the_journals_counts(
+) -> None:
+    """The keys of a re-executed call or a changed judgement may be gone with compacted
+    segments; the journal fold's anomaly counts, kept in every snapshot, still fail it."""
+    again = tool_calls_once(RunObservation(journal_kinds={"tool_call": 2}, journal_anomalies={
+        "tool_call: called again after its result was journaled": 1}))
+    assert again.ok is False and "keys compacted away" in again.detail
+    changed = judgements_stable(RunObservation(journal_kinds={"judged": 9}, journal_anomalies={
+        "judged: key already has a different one": 2}))
+    assert changed.ok is False and changed.detail.startswith("2 judgements changed")
+
+
+def test_no_judgement_is_na_only_when_the_metrics_agree_the_judge_never_ran() -> None:
+    from erlay.chaos.observation import NO_JUDGEMENT
+    assert judgements_stable(RunObservation(steps_trained=3)).detail == NO_JUDGEMENT
+    lost = judgements_stable(RunObservation(steps_trained=3, judge_failed=2))
+    assert lost.ok is False and "cannot check" in lost.detail
 
 
 def test_checkpoints() -> None:
@@ -143,21 +194,6 @@ def test_the_ledger_file_round_trips_and_ignores_only_a_torn_last_line(tmp_path:
         f.write('\n{"event": "start", "step": 0, "restored": true}\n')
     with pytest.raises(ValueError, match="not a ledger record"):
         read_ledger(ledger.path)               # a torn line that is not the last one
-
-
-def test_a_compacted_journal_is_compared_from_its_first_step_and_duplicates_still_count(
-) -> None:
-    """A resumed driver's observation has only the journal's compacted state: consumed ids
-    from the retained checkpoint on.  Older ledger steps are not 'unjournaled'; a rollout
-    fed twice is still caught."""
-    consumed = [(r, s) for s in (1, 2) for r in rids(s)]
-    obs = RunObservation(ledger=CLEAN, consumed_transitions=consumed, steps_trained=3,
-                         stream_observed=False)
-    verdict = exactly_once(obs)
-    assert verdict.ok is True and "compared from step 1" in verdict.detail
-    twice = RunObservation(ledger=[*CLEAN, trained(0)], consumed_transitions=consumed,
-                           steps_trained=3, stream_observed=False)
-    assert exactly_once(twice).ok is False
 
 
 def test_the_counts_the_suite_table_shows() -> None:

@@ -26,8 +26,10 @@ from erlay.chaos.scenario import (
 REQUIRED = ("engine-kill", "learner-kill", "sandbox-worker-kill", "judge-fault",
             "coordinator-crash", "sandbox-attacks", "mixed-soak", "kill-during-weight-update",
             "engine-hang", "sandbox-host-lost", "node-loss", "driver-kill-resume",
-            "crash-loop")
-SMOKE = {"engine-kill", "learner-kill", "judge-user-freeze", "env-user-freeze",
+            "crash-loop", "engine-kill-replay")
+# The generation domain's smoke scenario is engine-kill-replay (synchronous, with its
+# fault-free baseline, so replay_identical PASSes in CI); engine-kill runs with --all.
+SMOKE = {"engine-kill-replay", "learner-kill", "judge-user-freeze", "env-user-freeze",
          "coordinator-crash", "crash-loop", "host-sigstop"}
 LEARNER_KILL = {"inject": "sigkill", "target": "erlay/learner/learner-0", "at": 1}
 

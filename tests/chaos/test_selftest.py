@@ -6,37 +6,52 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import erlay.chaos.invariants as invariants
 from erlay.chaos.observation import Verdict
-from erlay.chaos.selftest import passed, run_selftest
+from erlay.chaos.selftest import PLANTS, ROLLOUTS, STEPS, passed, run_selftest, write_run
 
 
 def test_every_invariant_is_planted_and_caught_without_false_alarms() -> None:
     lines: list[str] = []
     result = run_selftest(out=lines.append)
-    assert result == {"invariants": len(invariants.INVARIANTS),
-                      "planted": len(invariants.INVARIANTS),
-                      "caught": len(invariants.INVARIANTS), "false_alarms": 0}, lines
-    assert passed(result)
-    assert lines[-1].startswith("{") and '"caught": 16' in lines[-1]
+    n = len(invariants.INVARIANTS)
+    assert result == {"invariants": n, "covered": n, "planted": len(PLANTS),
+                      "caught": len(PLANTS), "false_alarms": 0}, lines
+    assert len(PLANTS) >= 20 and passed(result)
+    assert lines[-1].startswith("{") and f'"caught": {len(PLANTS)}' in lines[-1]
+
+
+def test_a_clean_run_gathered_for_real_has_its_facts_from_evidence(tmp_path: Path) -> None:
+    """The clean run's end, orphans and injected fault come from what happened: its summary,
+    a real process watch, a real SIGKILL of a real child (no hard-coded observation)."""
+    run = write_run(tmp_path, "clean")
+    obs = run.observe()
+    assert obs.status == "finished" and obs.orphans == [] and run.not_injected == []
+    assert obs.journal_kinds["tool_call"] == STEPS * ROLLOUTS and obs.checkpoints
+    assert [f.kind for f in obs.faults] == ["sigkill"]
+    missed = write_run(tmp_path, "missed", "fault_missed")
+    assert missed.not_injected and "exited with 0" in missed.not_injected[0]
 
 
 def test_an_invariant_that_cannot_fail_fails_the_selftest(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     monkeypatch.setattr(invariants, "tool_calls_once",
                         lambda obs: Verdict("tool_calls_once", True, "always"))
-    result = run_selftest(out=lambda line: None)
-    assert result["caught"] == result["planted"] - 1 and not passed(result)
+    tools = [p for p, (name, _) in PLANTS.items() if name == "tool_calls_once"]
+    result = run_selftest(out=lambda line: None, only=[*tools, "steps_swapped"])
+    assert result["caught"] == 1 and result["planted"] == len(tools) + 1
+    assert not passed(result)
 
 
 def test_an_invariant_that_fails_a_clean_run_is_a_false_alarm(monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
     monkeypatch.setattr(invariants, "steps_in_order",
                         lambda obs: Verdict("steps_in_order", False, "always"))
-    result = run_selftest(out=lambda line: None)
+    result = run_selftest(out=lambda line: None, only=[])
     assert result["false_alarms"] == 1 and not passed(result)
 
 
@@ -45,4 +60,5 @@ def test_the_command_prints_the_json_line_and_exits_0() -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == (
-        '{"invariants": 16, "planted": 16, "caught": 16, "false_alarms": 0}')
+        f'{{"invariants": 16, "covered": 16, "planted": {len(PLANTS)}, '
+        f'"caught": {len(PLANTS)}, "false_alarms": 0}}')

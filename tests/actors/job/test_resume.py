@@ -146,3 +146,52 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
     total, first, second, lost = (float(x) for x in (*wall.groups(), outage.group(1)))
     assert lost > 0 and total == pytest.approx(first + second + lost, abs=0.2)
     assert "- RL steps: 6\n" in summary and "/s over the RL time)" in summary
+
+
+def test_an_escalation_between_a_learner_step_and_its_journal_record_resumes_exactly_once(
+        tmp_path: Path, fresh_ray: None) -> None:
+    """The coordinator dies after the learner trained step 3 (in its ledger) and before the
+    journal recorded the consumption, and the job escalates (no restart allowed).  The newest
+    checkpoint (step 2) kept steps 0-1: step 3's training died with the run, which
+    ``erlay verify`` reports and passes.  Had a checkpoint kept step 3 (planted on a copy: a
+    real checkpoint committed at step 4), a resume would train it twice: verify fails it.
+    The resume restores step 2, trains 2 and 3 from the journal, and verifies clean."""
+    import shutil
+
+    from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
+    from erlay.chaos.verify import verify
+    from erlay.supervisor import failpoints
+
+    steps = 6
+    cfg = load_config(CONFIG, [*SMALL, f"run.steps={steps}", f"run.storage={tmp_path}",
+                               "supervision.rollout.intensity=0",
+                               "supervision.root.intensity=0"])
+    failpoints.arm("rollout.after_train", "raise", nth=4)    # the 4th step: step 3
+    try:
+        result = Job(cfg, RunDir.create(tmp_path, "after-train")).run(progress=False)
+    finally:
+        failpoints.disarm("rollout.after_train")
+    assert result.status == "failed", result.reason
+    path = next(tmp_path.glob("after-train-*"))
+    failed = verify(path)
+    once = next(v for v in failed.verdicts if v.name == "exactly_once")
+    assert failed.ok, [v for v in failed.verdicts if v.ok is False]
+    assert "32 trained after the last checkpoint" in once.detail, once.detail
+    assert "lost with the run" in once.detail
+
+    kept = tmp_path / "kept"
+    shutil.copytree(path, kept)
+    import torch
+    write_checkpoint_dir(kept / "checkpoints" / step_dir_name(4), 4,
+                         {"w": torch.zeros(4)}, {})
+    planted = next(v for v in verify(kept).verdicts if v.name == "exactly_once")
+    assert planted.ok is False and "trained into the checkpoint at step 4" in planted.detail
+
+    resumed = Job(load_config(path / "config.yaml", []), RunDir.open(path)).run(progress=False)
+    assert resumed.status == "finished", resumed.reason
+    after = verify(path)
+    assert after.ok, [v for v in after.verdicts if v.ok is False]
+    once = next(v for v in after.verdicts if v.name == "exactly_once")
+    assert "lost with the run" not in once.detail
+    assert [m["step"] for m in RunDir(path).rl_steps()] == list(range(steps))
+    check_exactly_once(consumed(path), steps, 32)

@@ -174,11 +174,34 @@ def test_fold_keeps_the_first_completion_result_and_consuming_step() -> None:
     assert record.completed["reward"] == 1.0
     assert record.tool_results["a/tool0"] == {"ok": True, "stdout": "4\n"}
     assert state.consumed == {"a": 2}
+    assert state.consumed_again == {"a": [3, 2]}   # every later consumption, kept
     assert state.anomalies == {"completed: already completed": 1,
                                "tool_result: after completion": 1,
-                               "tool_result: key already has one": 1,
+                               "tool_result: key already has a different one": 1,
                                "consumed: already consumed by another step": 1,
                                "dispatched: rollout already dispatched": 1}
+
+
+def test_the_fold_names_a_tool_call_made_again_and_counts_every_kind() -> None:
+    again = Transition(K.TOOL_CALL, "a", {"key": "a/tool0", "code": "2+2"})
+    same = Transition(K.TOOL_RESULT, "a", {"key": "a/tool0", "result": {"ok": True,
+                                                                         "stdout": "4\n"}})
+    state = fold([*whole_rollout("a"), again, same])
+    assert state.anomalies["tool_call: called again after its result was journaled"] == 1
+    assert state.anomalies["tool_result: key already has the same one"] == 1
+    assert state.kinds["tool_call"] == 2 and state.kinds["dispatched"] == 1
+    assert sum(state.kinds.values()) == state.applied
+
+
+def test_what_the_state_keeps_for_good_survives_a_snapshot_image() -> None:
+    state = fold([*whole_rollout("a"), consumed("a", 2), consumed("a", 2)])
+    image = json.loads(json.dumps(state_to_dict(state)))
+    again = state_from_dict(image)
+    assert (again.consumed_again, again.kinds) == ({"a": [2]}, state.kinds)
+    del image["consumed_again"], image["kinds"]    # a snapshot written before they were kept
+    older = state_from_dict(image)
+    assert (older.consumed_again, older.kinds, older.complete) == ({}, {}, False)
+    assert again.complete
 
 
 def test_consumption_of_an_unknown_rollout_is_still_recorded() -> None:
