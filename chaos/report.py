@@ -259,6 +259,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"detected, {report['recovered']['count']} recovered"
              + (f"; **not injected**: {'; '.join(report['not_injected'])}"
                 if report.get("not_injected") else ""), ""]
+    for note in report.get("notes") or []:   # past the last write: reported, never judged
+        lines.insert(-1, f"- note: {note}")
     judged = report.get("judged") or {}
     if judged.get("share") is not None:
         lines.insert(-1, f"- samples judged: {judged['share']:.1%} of {judged['samples']} "

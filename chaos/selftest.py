@@ -108,7 +108,7 @@ class Written:
 
 
 def _rid(step: int, k: int) -> str:
-    return f"r{step:05d}-g000-{k}"
+    return f"r{step:05d}-g{k // 16:03d}-{k % 16}"   # groups of 16, as the coordinator names
 
 
 class _Sample:
@@ -136,14 +136,15 @@ def _escape() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def write_run(root: Path, name: str, bug: str | None = None, *,
-              faulted: bool = True) -> Written:
-    """Write a five-step run named ``name`` under ``root`` with erlay's own writers, with
-    the plant ``bug`` (a key of :data:`PLANTS`) made where the bug would make it."""
+def write_run(root: Path, name: str, bug: str | None = None, *, faulted: bool = True,
+              steps: int = STEPS, rollouts: int = ROLLOUTS) -> Written:
+    """Write a run of ``steps`` steps of ``rollouts`` rollouts named ``name`` under
+    ``root`` with erlay's own writers, with the plant ``bug`` (a key of :data:`PLANTS`,
+    placed for the default shape) made where the bug would make it."""
     if bug is not None and bug not in PLANTS:
         raise ValueError(f"unknown plant {bug!r}")
     run_dir = RunDir.create(root, name)
-    run_dir.config.write_text(f"run: {{name: selftest, steps: {STEPS}}}\n"
+    run_dir.config.write_text(f"run: {{name: selftest, steps: {steps}}}\n"
                               "rollout: {max_staleness: 0}\n"
                               f"checkpoint: {{every_steps: {CHECKPOINT_EVERY}}}\n")
     load_config(run_dir.config, [])   # the config the verifier reads must load
@@ -181,9 +182,9 @@ def write_run(root: Path, name: str, bug: str | None = None, *,
     ledger.started(0, False)
     status = "finished"
     with Journal.open(run_dir.journal, snapshot_every=None) as journal:
-        order = [0, 1, 3, 2, 4] if bug == "steps_swapped" else list(range(STEPS))
+        order = [0, 1, 3, 2, 4] if bug == "steps_swapped" else list(range(steps))
         for step in order:
-            status = _step(run_dir, journal, ledger, step, bug, t0)
+            status = _step(run_dir, journal, ledger, step, bug, t0, steps, rollouts)
             if status != "finished":
                 break
     if escaped is not None:
@@ -201,12 +202,12 @@ def write_run(root: Path, name: str, bug: str | None = None, *,
 
 
 def _step(run_dir: RunDir, journal: Journal, ledger: LearnerLedger, step: int,
-          bug: str | None, t0: float) -> str:
+          bug: str | None, t0: float, steps: int, rollouts: int) -> str:
     """One RL step: its rollouts journaled, trained (ledger), consumed, reported and, every
     ``CHECKPOINT_EVERY`` steps and at the end, checkpointed with a journal snapshot.
     Returns ``failed`` when the plant kills the job here."""
     counts = StepCounts()
-    ids = [_rid(step, k) for k in range(ROLLOUTS)]
+    ids = [_rid(step, k) for k in range(rollouts)]
     digest = hashlib.sha256()
     for k, rid in enumerate(ids):
         tokens = _tokens(step, k, bug)
@@ -235,7 +236,7 @@ def _step(run_dir: RunDir, journal: Journal, ledger: LearnerLedger, step: int,
     lag = 1 if bug == "stale_trained" and step == 3 else 0
     if not (bug == "ledger_step_missing" and step == 2):
         ledger.trained(step, step, fed, [[step - lag] * 3] * len(fed), [[True] * 3] * len(fed))
-    last = step == STEPS - 1
+    last = step == steps - 1
     checkpoint = (step + 1) % CHECKPOINT_EVERY == 0 or last
     if bug == "kept_not_journaled" and last:
         _checkpoint(run_dir, journal, step)   # saved before the journal record: the bug
@@ -249,7 +250,7 @@ def _step(run_dir: RunDir, journal: Journal, ledger: LearnerLedger, step: int,
     reward = 0.0 if bug == "reward_collapsed" else 0.5
     run_dir.append_metrics({"phase": "rl", "step": step, "time": 2.0 + step,
                             "reward_mean": reward, "tokens_digest": digest.hexdigest(),
-                            "gen_tokens": 3 * ROLLOUTS, "staleness_max": 0, **counts.to_dict(),
+                            "gen_tokens": 3 * rollouts, "staleness_max": 0, **counts.to_dict(),
                             "gen_window": [t0 + step, t0 + step + 0.5],
                             "train_window": [t0 + step + 0.5, t0 + step + 1.0]})
     if checkpoint:

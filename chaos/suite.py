@@ -1,10 +1,10 @@
 """``erlay chaos run --all``: every shipped scenario, one after another, and one table.
 
 Each scenario runs as :func:`erlay.chaos.runner.run_scenario` runs it alone, writing its own
-report; the table then has one row per scenario: its verdict, how the run ended, the faults
-injected, detected and recovered, the rollouts lost (journal) and trained twice (learner
-ledger), the orphans, goodput (trained tokens/s) and its ratio to the fault-free run, and
-the wall time.
+report; the table then has one row per scenario: its verdict, its verdicts counted
+PASS/FAIL/N/A, how the run ended, the faults injected, detected and recovered, the rollouts
+lost (journal) and trained twice (learner ledger), the orphans, goodput (trained tokens/s)
+and its ratio to the fault-free run, and the wall time.
 The table is printed and written to ``<parent>/chaos-all.md``.  The exit code is 0 only when
 every scenario passed.
 """
@@ -19,9 +19,9 @@ from erlay.chaos.records import lost_rollouts, trained_twice
 from erlay.chaos.runner import ROOT, ChaosResult, run_scenario
 from erlay.chaos.scenario import list_scenarios, load_scenario
 
-HEADER = ["scenario", "verdict", "run", "faults", "detected", "recovered", "rollouts lost",
-          "trained twice", "orphans", "goodput (tok/s)", "vs fault-free", "failed invariants",
-          "wall (s)"]
+HEADER = ["scenario", "verdict", "pass/fail/N/A", "run", "faults", "detected", "recovered",
+          "rollouts lost", "trained twice", "orphans", "goodput (tok/s)", "vs fault-free",
+          "failed invariants", "wall (s)"]
 
 
 def _count(items: list[str] | None) -> str:
@@ -34,7 +34,9 @@ def row(result: ChaosResult) -> list[Any]:
     failed = [v.name for v in result.verdicts if v.ok is False]
     good = report["goodput"]
     ratio = good.get("goodput_vs_fault_free")
-    return [result.scenario, "PASS" if result.ok else "FAIL", result.run.status,
+    counts = report["verdicts"]   # N/A apart: it proved nothing, and is never a pass
+    return [result.scenario, "PASS" if result.ok else "FAIL",
+            f"{counts['pass']}/{counts['fail']}/{counts['na']}", result.run.status,
             len(report["faults"]), report["detected"]["count"], report["recovered"]["count"],
             len(lost_rollouts(obs)), _count(trained_twice(obs)), len(obs.orphans),
             f"{good['tokens_per_s']:.0f}", "-" if ratio is None else f"{ratio:.2f}",
