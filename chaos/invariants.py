@@ -164,7 +164,7 @@ def replay_identical(obs: RunObservation, fault_free: RunObservation | None = No
         return not_applicable(name, NO_BASELINE)
     if obs.max_staleness > 0 or fault_free.max_staleness > 0:
         bound = max(obs.max_staleness, fault_free.max_staleness)
-        return not_applicable(name, STALENESS_ABOVE_0, f"{bound}: generation timing "
+        return not_applicable(name, STALENESS_ABOVE_0, f"it is {bound}; generation timing "
                               "legitimately changes which policy version made a token, "
                               "so digests may differ")
     reference = {int(m["step"]): m.get("tokens_digest") for m in fault_free.rl_steps()}
