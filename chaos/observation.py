@@ -11,11 +11,11 @@ pass.  Pure data: no I/O here.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from erlay.actors.journal.rollout_id import step_of
 from erlay.chaos.faults import FaultRecord
 from erlay.supervisor.events import SupervisorEvent
 
@@ -32,7 +32,6 @@ NO_TOOL_CALL = "the run made no tool call"
 NO_JUDGEMENT = "no sample was judged: the environment rewarded every sample itself"
 NA_REASONS = (NO_STEP_TRAINED, NO_BASELINE, STALENESS_ABOVE_0, NO_FAULT, DRIVER_FAULTS_ONLY,
               NO_TOOL_CALL, NO_JUDGEMENT)
-_ROLLOUT_ID = re.compile(r"^r(\d+)-")  # f"r{step:05d}-g{group:03d}-{k}"
 
 
 @dataclass(frozen=True)
@@ -178,6 +177,6 @@ def few(items: Iterable[object], n: int = 5) -> str:
 
 
 def rollout_step(rollout_id: str) -> int | None:
-    """The learner step a rollout id was made for (``r00042-g003-1`` -> 42), or None."""
-    m = _ROLLOUT_ID.match(rollout_id)
-    return int(m.group(1)) if m else None
+    """The learner step a rollout id was made for (``r00042-g003-1`` -> 42), or None
+    (:class:`erlay.actors.journal.rollout_id.RolloutId`)."""
+    return step_of(rollout_id)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from erlay.actors.config import load_config
+from erlay.actors.journal.rollout_id import RolloutId
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind
 from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
@@ -108,7 +109,7 @@ class Written:
 
 
 def _rid(step: int, k: int) -> str:
-    return f"r{step:05d}-g{k // 16:03d}-{k % 16}"   # groups of 16, as the coordinator names
+    return RolloutId(step, k // 16, k % 16).format()   # groups of 16
 
 
 class _Sample:

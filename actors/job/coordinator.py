@@ -42,6 +42,7 @@ from erlay.actors.job.judge_client import JudgeClient
 from erlay.actors.job.plugins import PluginFailing, RateRule, UserCodeFailed, UserError
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
 from erlay.actors.job.validation import Validator
+from erlay.actors.journal.rollout_id import RolloutId
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.learner.core import TrainBatch
@@ -434,7 +435,7 @@ class RolloutCoordinator:
             episode = exc.error
         plays = []
         for k in range(cfg.group_size):
-            rid = f"r{n:05d}-g{g:03d}-{k}"
+            rid = RolloutId(n, g, k).format()
             plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
         return list(await _all_or_none(plays))
 
