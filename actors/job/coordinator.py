@@ -30,7 +30,7 @@ import gc
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -41,6 +41,7 @@ from erlay.actors.job.hostcalls import HostCalls
 from erlay.actors.job.judge_client import JudgeClient
 from erlay.actors.job.plugins import PluginFailing, RateRule, UserCodeFailed, UserError
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
+from erlay.actors.job.structured import all_or_none, cancel_all
 from erlay.actors.job.validation import Validator
 from erlay.actors.journal.rollout_id import RolloutId
 from erlay.actors.journal.store import Journal
@@ -110,27 +111,6 @@ def _consume_spans(trajectories: list[Trajectory], step: int, version: int,
 
 
 Window = tuple[float, float]   # wall time (time.time()) at start and end
-
-
-async def _all_or_none(coros: Iterable[Awaitable[Any]]) -> list[Any]:
-    """Await every one of ``coros`` concurrently; if one fails (or this is cancelled),
-    cancel the rest and wait for them before raising.  ``asyncio.gather`` would leave them
-    running: a step's rollouts orphaned after a sibling's failure would go on writing to the
-    journal beside the replay that the coordinator's successor makes of them."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        await _cancel(tasks)
-        raise
-
-
-async def _cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel ``tasks`` and wait until they have ended (each one's error is its own)."""
-    pending = [t for t in tasks if not t.done()]
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
 
 
 class RolloutCoordinator:
@@ -293,7 +273,7 @@ class RolloutCoordinator:
                     self.report(await self.validator.validate(n))
                 n += 1
         finally:
-            await _cancel(generation.values())
+            await cancel_all(generation.values())
         waited = await self._learner_call("wait_checkpoints",
                                           all_ranks=self.cfg.learner.backend != "replicated")
         self._saves_failed((waited or {}).get("failed") or [])
@@ -419,7 +399,7 @@ class RolloutCoordinator:
         started = time.time()
         # Every group at once: their resets reach the environment hosts in one batch, and
         # a group whose reset is slow holds up no other.
-        groups = await _all_or_none(self._play_group(n, g)
+        groups = await all_or_none(self._play_group(n, g)
                                     for g in range(self.cfg.rollout.prompts_per_step))
         return [traj for group in groups for traj in group], (started, time.time())
 
@@ -437,7 +417,7 @@ class RolloutCoordinator:
         for k in range(cfg.group_size):
             rid = RolloutId(n, g, k).format()
             plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
-        return list(await _all_or_none(plays))
+        return list(await all_or_none(plays))
 
     def _history(self, rollout_id: str) -> RolloutHistory | None:
         if self.journal is None or self.cfg.supervision.mode == "job_restart":
@@ -489,7 +469,7 @@ class RolloutCoordinator:
         if ws.steps > 0:
             prompts, targets = [], []
             # All at once: the environment hosts get them in a few batches.
-            demonstrations = await _all_or_none(self._demonstration(10_000_000 + i)
+            demonstrations = await all_or_none(self._demonstration(10_000_000 + i)
                                                  for i in range(ws.examples))
             failed = sum(pairs is None for pairs in demonstrations)
             for pairs in demonstrations:

@@ -34,6 +34,7 @@ from erlay.actors.config import JobConfig
 from erlay.actors.data.rows import environment_kwargs, load_rows
 from erlay.actors.job.env_worker import EnvironmentSpec
 from erlay.actors.job.plugins import PluginFailing, UserCodeFailed
+from erlay.actors.job.structured import all_or_none
 from erlay.actors.journal.transitions import NullTransitions
 
 if TYPE_CHECKING:
@@ -100,11 +101,10 @@ class Validator:
         """Play every validation episode once; return the ``validation`` record (with
         ``error`` instead of the figures when the run failed for a reason other than a
         broken plug-in)."""
-        from erlay.actors.job.coordinator import _all_or_none
         started = time.monotonic()
         try:
             # Concurrent, so the resets travel to the environment hosts in one batch.
-            trajectories = await _all_or_none(self._play(step, i) for i in range(self.size))
+            trajectories = await all_or_none(self._play(step, i) for i in range(self.size))
         except PluginFailing:
             raise
         except Exception as exc:  # noqa: BLE001 - validation informs; it never ends training

@@ -35,16 +35,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from erlay.actors.model.errors import ModelLoadError
 from erlay.actors.model.policy import DRAFT_TABLE_LIMIT, KVBuffer, KVCache, MTPModule
-from erlay.supervisor.errors import ErlayError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-
-
-class ModelLoadError(ErlayError, ValueError):
-    """A model named by ``model.hf`` cannot be found or loaded; the message says which."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from erlay.actors.model.errors import ModelLoadError
+
 DEFAULT_TARGETS = "all-linear"
 
 
@@ -36,7 +38,6 @@ def wrap_lora(lm: nn.Module, spec: dict[str, Any]) -> nn.Module:
     try:
         return get_peft_model(lm, lora_config(spec))
     except ValueError as exc:   # e.g. target modules not found in the model
-        from erlay.actors.model.hf import ModelLoadError
         raise ModelLoadError(f"model.lora: {str(exc).splitlines()[0]}") from None
 
 

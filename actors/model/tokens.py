@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from erlay.actors.model.hf import ModelLoadError
+from erlay.actors.model.errors import ModelLoadError
 
 
 class Tokenizer(Protocol):

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from erlay.actors.job.coordinator import _all_or_none
+from erlay.actors.job.structured import all_or_none
 
 
 def test_one_failing_rollout_cancels_and_awaits_its_siblings() -> None:
@@ -29,7 +29,7 @@ def test_one_failing_rollout_cancels_and_awaits_its_siblings() -> None:
 
     async def main() -> None:
         with pytest.raises(RuntimeError, match="failpoint"):
-            await _all_or_none([sibling("a"), failing(), sibling("b")])
+            await all_or_none([sibling("a"), failing(), sibling("b")])
         assert sorted(ended) == ["a", "b"]   # both ended before the error came out
         await asyncio.sleep(0.3)
         assert wrote == []                   # and neither wrote afterwards
@@ -42,4 +42,4 @@ def test_all_results_in_order_when_none_fails() -> None:
         await asyncio.sleep(0.01 * (3 - v))
         return v
 
-    assert asyncio.run(_all_or_none([value(0), value(1), value(2)])) == [0, 1, 2]
+    assert asyncio.run(all_or_none([value(0), value(1), value(2)])) == [0, 1, 2]
