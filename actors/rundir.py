@@ -16,26 +16,23 @@ which ``ray job submit``'s copy of the working directory is one of.
         journal/, checkpoints/   the rollout journal and the learner's checkpoints
         report/          ``erlay report``'s Markdown and plots, when asked for
 
-May import: erlay.supervisor, erlay.actors.observe.goodput (pure: goodput's one definition),
-erlay.actors.observe.timing (pure: wall, outage and RL time across --resume).
+Only the layout, shared by every room: the summary and the reward plot are written by
+:mod:`erlay.actors.observe.summary`.
+
+May import: erlay.supervisor.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from erlay.actors.observe.goodput import not_trained, trained_tokens
-from erlay.actors.observe.timing import RunTiming, run_timing, split_segments
 from erlay.supervisor.errors import ErlayError
-from erlay.supervisor.events import EventKind, read_events
 
 STORAGE_ENV = "ERLAY_STORAGE"
 DEFAULT_STORAGE = "~/erlay-runs"
@@ -107,14 +104,6 @@ def in_ray_working_dir(path: Path, cwd: Path) -> bool:
     if "working_dir_files" not in cwd.parts:
         return False
     return path == cwd or cwd in path.parents
-
-
-def reward_window(values: list[float], fraction: float = 0.1) -> tuple[float, float]:
-    """Mean of the first and of the last ``fraction`` of ``values`` (at least one each)."""
-    if not values:
-        return 0.0, 0.0
-    k = max(1, round(len(values) * fraction))
-    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
 
 
 class RunDir:
@@ -216,102 +205,3 @@ class RunDir:
 
     def rl_steps(self) -> list[dict[str, Any]]:
         return [m for m in self.read_metrics() if m.get("phase") == "rl"]
-
-    def plot_rewards(self) -> Path | None:
-        steps = self.rl_steps()
-        if not steps:
-            return None
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        judged = [m for m in steps if m.get("reward_mean") is not None]
-        ax.plot([m["step"] for m in judged], [m["reward_mean"] for m in judged], lw=1.2)
-        ax.set_xlabel("RL step")
-        ax.set_ylabel("mean reward")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.set_title(self.path.name, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(self.reward_plot, dpi=110)
-        plt.close(fig)
-        return self.reward_plot
-
-    def write_summary(self, status: str, wall_s: float, detail: str = "",
-                      started_at: float | None = None) -> str:
-        """Write summary.md as the driver that started at ``started_at`` (unix; the
-        ``started_at`` of its metrics records) ends after ``wall_s`` seconds.  After a
-        ``--resume`` the wall time is the whole run's, outages included, and the throughput
-        is over the RL time of every driver run (:mod:`erlay.actors.observe.timing`)."""
-        records = self.read_metrics()
-        steps = [m for m in records if m.get("phase") == "rl"]
-        timing = run_timing(records, wall_s, started_at)
-        # The mean reward of judged samples: a step whose every sample failed has none.
-        rewards = [m["reward_mean"] for m in steps if m.get("reward_mean") is not None]
-        start, end = reward_window(rewards)
-        samples = sum(m["samples"] for m in steps)
-        tokens = sum(m["gen_tokens"] for m in steps)
-        dropped = not_trained(steps)
-        events = read_events(self.events) if self.events.exists() else []
-        restarts = Counter(_domain(e.supervisor) for e in events
-                           if e.context is EventKind.RESTART)
-        lines = [f"# {self.path.name}", "", f"- status: **{status}**"]
-        if detail:
-            lines.append(f"- detail: {detail}")
-        lines += [f"- RL steps: {len(steps)}", *_time_lines(timing),
-                  f"- reward: {start:.3f} (first 10% of steps) -> {end:.3f} (last 10%)",
-                  f"- samples: {samples}" + _rate(samples, timing.rl_s, "/s"),
-                  f"- generated tokens: {tokens}" + _rate(tokens, timing.rl_s, " tokens/s"),
-                  f"- trained tokens: {trained_tokens(steps)} (each RL step once)",
-                  f"- samples not trained: {sum(dropped.values())} ("
-                  + ", ".join(f"{kind} {n}" for kind, n in dropped.items()) + ")",
-                  f"- poison inputs: {_last_per_step(steps, 'poison')} (calls that killed "
-                  "their worker twice, not tried again)",
-                  f"- sandbox calls: {_sandbox_calls(records)}",
-                  f"- restarts: {sum(restarts.values())}"]
-        if restarts:
-            lines += ["", "| domain | restarts |", "|---|---|"]
-            lines += [f"| {d} | {n} |" for d, n in restarts.most_common()]
-        if self.reward_plot.exists():
-            lines += ["", "![reward curve](reward_curve.png)"]
-        text = "\n".join(line for line in lines if line is not None) + "\n"
-        self.summary.write_text(text, encoding="utf-8")
-        return text
-
-
-def _time_lines(timing: RunTiming) -> list[str]:
-    """Wall time (the whole run's, across resumes), the outage, and the RL time."""
-    wall = f"- wall time: {timing.wall_s:.1f} s"
-    if not timing.resumed:
-        return [wall, f"- RL time: {timing.rl_s:.1f} s (the sum of the RL step windows)"]
-    runs = ", ".join(f"{s.wall_s:.1f} s" for s in timing.segments)
-    return [wall + f" ({len(timing.segments)} driver runs: {runs}; and the outage)",
-            f"- time lost to the outage: {timing.outage_s:.1f} s (from the last record "
-            f"before each --resume to the resumed driver's start; {timing.resumed} "
-            "resume(s))",
-            f"- RL time: {timing.rl_s:.1f} s (the sum of the RL step windows of every "
-            "driver run)"]
-
-
-def _last_per_step(steps: list[dict[str, Any]], key: str) -> int:
-    """``key`` summed over the RL steps, each step's last record counted once."""
-    by_step = {int(m["step"]): int(m.get(key) or 0) for m in steps if "step" in m}
-    return sum(by_step.values())
-
-
-def _sandbox_calls(records: list[dict[str, Any]]) -> int:
-    """Each driver run counts its sandbox calls from 0: the last RL record of each."""
-    total = 0
-    for segment in split_segments(records):
-        rl = [m for m in segment if m.get("phase") == "rl"]
-        total += int(rl[-1].get("sandbox_calls") or 0) if rl else 0
-    return total
-
-
-def _rate(count: float, rl_s: float, unit: str) -> str:
-    return f" ({count / rl_s:.1f}{unit} over the RL time)" if rl_s > 0 else ""
-
-
-def _domain(supervisor_path: str) -> str:
-    parts = supervisor_path.split("/")
-    return parts[1] if len(parts) > 1 else parts[0]

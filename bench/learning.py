@@ -45,7 +45,8 @@ from typing import Any
 
 from erlay.actors.config import load_config
 from erlay.actors.job.driver import Job
-from erlay.actors.rundir import RunDir, reward_window
+from erlay.actors.observe.summary import reward_window
+from erlay.actors.rundir import RunDir
 from erlay.supervisor.raylocal import shutdown_ray
 
 ROOT = Path(__file__).resolve().parents[1]

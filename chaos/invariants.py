@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from erlay.actors.rundir import reward_window
+from erlay.actors.observe.summary import reward_window
 from erlay.chaos.faults import FaultRecord, domain_of
 from erlay.chaos.observation import (
     DRIVER_FAULTS_ONLY,

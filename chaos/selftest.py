@@ -46,6 +46,7 @@ from erlay.actors.journal.transitions import Transition, TransitionKind
 from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
 from erlay.actors.learner.ledger import LearnerLedger
 from erlay.actors.observe.goodput import StepCounts
+from erlay.actors.observe.summary import write_summary
 from erlay.actors.rundir import RunDir
 from erlay.chaos.evidence import observe_dir
 from erlay.chaos.faults import FaultRecord
@@ -197,7 +198,7 @@ def write_run(root: Path, name: str, bug: str | None = None, *, faulted: bool = 
             os.killpg(os.getsid(int(orphan["pid"])), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    run_dir.write_summary("failed" if bug == "run_failed" else status, time.time() - t0)
+    write_summary(run_dir, "failed" if bug == "run_failed" else status, time.time() - t0)
     _damage(run_dir, bug)
     return Written(run_dir, faults, not_injected, orphans)
 

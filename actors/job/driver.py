@@ -38,6 +38,7 @@ from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes,
 from erlay.actors.job.validation import environment_spec
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
+from erlay.actors.observe.summary import plot_rewards, write_summary
 from erlay.actors.observe.telemetry import JobTelemetry
 from erlay.actors.observe.trackers import Trackers
 from erlay.actors.rundir import RunDir
@@ -480,11 +481,11 @@ class Job:
     def _end(self, result: JobResult) -> JobResult:
         self._close()
         self.trackers.close(result.status, self._export)
-        self.run_dir.plot_rewards()
+        plot_rewards(self.run_dir)
         # The summary's wall time runs from this driver's start (its records' started_at),
         # Ray's start-up included, so that a resumed run's segments and outages add up.
-        self.run_dir.write_summary(result.status, time.time() - self._t0, result.reason,
-                                   started_at=self._t0)
+        write_summary(self.run_dir, result.status, time.time() - self._t0, result.reason,
+                      started_at=self._t0)
         self._append_attribution()
         return result
 

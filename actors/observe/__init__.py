@@ -4,6 +4,7 @@
 - :mod:`.metrics`: the same numbers as Ray application metrics, for the dashboard;
 - :mod:`.status`: ``erlay status``, the live tree read through a named endpoint;
 - :mod:`.report`: ``erlay report``, Markdown and plots from a run directory;
+- :mod:`.summary`: the run's ``summary.md`` and reward curve, written when the driver ends;
 - :mod:`.attribution`: which fault domain cost the run what time;
 - :mod:`.trackers`: the experiment trackers (TensorBoard, MLflow, W&B) fed the step metrics;
 - :mod:`.goodput`: goodput's one definition (trained tokens per second of wall time) and

@@ -44,7 +44,7 @@ from erlay.actors.observe.report_data import (
     load_run,
     percentile,
 )
-from erlay.actors.rundir import reward_window
+from erlay.actors.observe.summary import reward_window
 
 log = logging.getLogger("erlay.report")
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from erlay.actors.observe.summary import write_summary
 from erlay.actors.observe.timing import run_timing, split_segments
 from erlay.actors.rundir import RunDir
 
@@ -70,7 +71,7 @@ def test_the_resumed_runs_summary_counts_both_runs(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
     for record in killed_then_resumed():
         run.append_metrics(record)
-    text = run.write_summary("finished", 15.0, started_at=T1)
+    text = write_summary(run, "finished", 15.0, started_at=T1)
     assert "- RL steps: 6\n" in text
     assert "- wall time: 115.0 s (2 driver runs: 24.0 s, 15.0 s; and the outage)\n" in text
     assert "- time lost to the outage: 76.0 s" in text
@@ -85,6 +86,6 @@ def test_a_fresh_runs_summary_has_no_outage(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
     for record in killed_then_resumed()[:6]:
         run.append_metrics(record)
-    text = run.write_summary("finished", 30.0, started_at=T0)
+    text = write_summary(run, "finished", 30.0, started_at=T0)
     assert "- wall time: 30.0 s\n" in text and "outage" not in text
     assert "- samples: 256 (64.0/s over the RL time)\n" in text
