@@ -11,7 +11,6 @@ Every injector targets only this machine: signals go to pids the tree reports fo
 
 from __future__ import annotations
 
-import asyncio
 import fnmatch
 import itertools
 import logging
@@ -275,13 +274,12 @@ class Injector:
     def sandbox_attack(self, attack: str, code: str) -> FaultRecord:
         """Run hostile code as a tool call through the job's own sandbox client: the worker
         must turn it into a typed result and survive."""
-        coordinator = self.job.coordinator
-        if coordinator is None or coordinator.sandbox is None or coordinator.loop is None:
-            raise LookupError("the rollout coordinator is not running")
         record = self._record("sandbox_attack", "erlay/sandbox/host@node-0", "absorbed", attack)
-        key = f"chaos-{record.id}/{attack}"
-        future = asyncio.run_coroutine_threadsafe(coordinator.sandbox.execute(key, code),
-                                                  coordinator.loop)
+        try:
+            future = self.job.tool_call(f"chaos-{record.id}/{attack}", code)
+        except LookupError:   # no coordinator running: nothing was injected
+            self.records.pop()
+            raise
 
         def outcome(done: Any) -> None:
             try:

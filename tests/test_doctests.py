@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 
-MODULES = ["erlay.actors.journal.rollout_id"]
+MODULES = ["erlay.actors.journal.rollout_id", "erlay.actors.learner.options"]
 
 
 @pytest.mark.parametrize("name", MODULES)

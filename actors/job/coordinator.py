@@ -26,6 +26,7 @@ into another domain has a deadline.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import hashlib
 import logging
@@ -41,6 +42,7 @@ from erlay.actors.job.hostcalls import HostCalls
 from erlay.actors.job.judge_client import JudgeClient
 from erlay.actors.job.plugins import PluginFailing, RateRule, UserCodeFailed, UserError
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
+from erlay.actors.job.seam import CoordinatorContext
 from erlay.actors.job.structured import all_or_none, cancel_all
 from erlay.actors.job.validation import Validator
 from erlay.actors.journal.rollout_id import RolloutId
@@ -116,12 +118,12 @@ Window = tuple[float, float]   # wall time (time.time()) at start and end
 class RolloutCoordinator:
     """Runs warm start, then ``steps`` GRPO steps; reports metrics through ``report``."""
 
-    def __init__(self, job: Any) -> None:
-        self.job = job
-        self.cfg = job.cfg
+    def __init__(self, ctx: CoordinatorContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.progress = Progress()
-        self.report: Callable[[dict[str, Any]], None] = job.report_metrics
-        self.sink: TransitionSink = job.transitions
+        self.report: Callable[[dict[str, Any]], None] = ctx.report
+        self.sink: TransitionSink = ctx.sink
         self.learners: list[ChildRef] = []
         self.runner: RolloutRunner | None = None
         self.base_version = 0
@@ -131,13 +133,12 @@ class RolloutCoordinator:
         self.validation_env: EnvironmentClient | None = None
         self.thread: LoopThread | None = None
         self.engines: EnginePool | None = None
-        self.journal: Journal | None = job.journal
+        self.journal: Journal | None = ctx.journal
         self.reported_upto = -1   # metrics.jsonl already holds steps up to this one
         self.rewinds = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.checkpoint_exposed_s: list[float] = []   # per save, seconds the learner blocked
         self.validator: Validator | None = None   # with data.validation_every, from setup
-        job.coordinator = self
 
     async def setup(self) -> None:
         """Start this incarnation's own loop thread and build the clients there."""
@@ -150,7 +151,7 @@ class RolloutCoordinator:
 
     async def _setup(self) -> None:
         self.loop = asyncio.get_running_loop()  # chaos injects tool calls onto this loop
-        tree, paths = self.job.tree, self.job.paths
+        tree, paths = self.ctx.tree, self.ctx.paths
         cfg = self.cfg
         self.learners = [tree.ref(p) for p in paths.learners]
         self.engines = EnginePool(tree, paths.engines,
@@ -175,9 +176,9 @@ class RolloutCoordinator:
         sampling = SamplingParams(self.cfg.engine.max_new_tokens, self.cfg.engine.temperature,
                                   self.cfg.engine.chunk_tokens, self.cfg.run.seed,
                                   stop=tuple(self.cfg.engine.stop))
-        self.runner = RolloutRunner(self.env, self.job.tokenizer, self.engines, self.sandbox,
-                                    self.judge, self.sink, sampling, self.job.plan.max_seq_len,
-                                    observer=getattr(self.job, "telemetry", None))
+        self.runner = RolloutRunner(self.env, self.ctx.tokenizer, self.engines, self.sandbox,
+                                    self.judge, self.sink, sampling, self.ctx.max_seq_len,
+                                    observer=self.ctx.observer)
         self.runner.batcher.idle_s = 2 * cfg.engine.decode_deadline_s
         if "validation" in infos:
             self.validation_env = EnvironmentClient(
@@ -185,12 +186,20 @@ class RolloutCoordinator:
                 timeout_s=plugins.timeout_s, rule=rule)
             self.validator = Validator(self.validation_env, self.runner,
                                        cfg.data.validation_every, cfg.data.validation_size,
-                                       cfg.run.seed, self.job.env_spec.validation_rows)
+                                       cfg.run.seed, self.ctx.validation_rows)
         # The driver's heap is set up by now (Ray, torch, the job's objects): frozen, the
         # collector's full passes skip it instead of pausing this event loop, which sees
         # every engine failure and dispatches every resume, for half a second each.
         gc.collect()
         gc.freeze()
+
+    def tool_call(self, key: str, code: str) -> concurrent.futures.Future[dict[str, Any]]:
+        """Run ``code`` as a tool call under idempotency ``key`` through this incarnation's
+        sandbox client, on its loop, as a rollout would (chaos: hostile code).  Raises
+        LookupError before :meth:`setup` has built the client."""
+        if self.sandbox is None or self.loop is None:
+            raise LookupError("the rollout coordinator is not running")
+        return asyncio.run_coroutine_threadsafe(self.sandbox.execute(key, code), self.loop)
 
     async def stop(self) -> None:
         """A polite stop: cancel the work on the coordinator's thread and wait for it to
@@ -215,7 +224,7 @@ class RolloutCoordinator:
             # Not a crash to restart from: the user's code is broken, and a restart would
             # fail the same way.  End the job, failed, with the one message that says why.
             log.error("%s", exc)
-            self.job.abort(str(exc))
+            self.ctx.abort(str(exc))
         except Exception:
             # The supervisor records the exit reason; the traceback is what a user debugging
             # a crash loop needs, and only this process has it.
@@ -277,7 +286,7 @@ class RolloutCoordinator:
         waited = await self._learner_call("wait_checkpoints",
                                           all_ranks=self.cfg.learner.backend != "replicated")
         self._saves_failed((waited or {}).get("failed") or [])
-        self.job.completed_steps = n
+        self.ctx.training_ended(n)
         self.progress.end()
 
     async def _engine_tails(self) -> dict[str, Any]:
@@ -315,7 +324,7 @@ class RolloutCoordinator:
             # Compaction keeps every rollout consumed since the newest committed checkpoint
             # (all of them before the first): a restore can go back that far.
             self.journal.retain_from_step(int(status.get("committed") or 0))
-        self.reported_upto = max((int(m["step"]) for m in self.job.run_dir.rl_steps()),
+        self.reported_upto = max((int(m["step"]) for m in self.ctx.run_dir.rl_steps()),
                                  default=-1)
         if status["warm_started"]:
             step = int(status["step"])
@@ -388,9 +397,7 @@ class RolloutCoordinator:
             log.warning("checkpoint of step %s failed: %s", save.get("step"), save.get("reason"))
             self.report({"phase": "checkpoint_failed", "step": save.get("step"),
                          "reason": save.get("reason")})
-            saved_failed = getattr(self.job, "checkpoint_failed", None)
-            if saved_failed is not None:
-                saved_failed(int(save.get("step") or 0), str(save.get("reason")))
+            self.ctx.checkpoint_failed(int(save.get("step") or 0), str(save.get("reason")))
 
     async def _generate_step(self, n: int) -> tuple[list[Trajectory], Window]:
         """All rollouts of step ``n``: ``prompts_per_step`` groups of ``group_size``, each
@@ -475,7 +482,7 @@ class RolloutCoordinator:
             for pairs in demonstrations:
                 if pairs is None:
                     continue
-                for context, target in demonstration_tokens(pairs, self.job.tokenizer):
+                for context, target in demonstration_tokens(pairs, self.ctx.tokenizer):
                     prompts.append(context)
                     targets.append(target)
             if not prompts:

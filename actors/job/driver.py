@@ -22,6 +22,7 @@ intensity and the failure climbs to the root, the job fails with the offender na
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import logging
@@ -32,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
+from erlay.actors.job.coordinator import RolloutCoordinator
 from erlay.actors.job.env_worker import EnvironmentSpec
 from erlay.actors.job.modelplan import plan_model
 from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
+from erlay.actors.job.seam import CoordinatorContext, DomainPaths
 from erlay.actors.job.validation import environment_spec
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
+from erlay.actors.learner.options import LearnerOptions
 from erlay.actors.observe.summary import plot_rewards, write_summary
 from erlay.actors.observe.telemetry import JobTelemetry
 from erlay.actors.observe.trackers import Trackers
@@ -63,16 +67,6 @@ log = logging.getLogger("erlay.job")
 progress_log = logging.getLogger("erlay.progress")
 """One INFO line per RL step when there is no progress bar (``erlay run --no-progress``)."""
 ROOT = "erlay"
-
-
-@dataclass(frozen=True)
-class DomainPaths:
-    learners: list[str]
-    engines: list[str]
-    sandbox_hosts: list[str]
-    sandbox_workers: list[str]
-    judge_hosts: list[str]
-    environment_hosts: list[str]
 
 
 @dataclass
@@ -108,18 +102,29 @@ def learner_class(cfg: JobConfig) -> type:
     raise ConfigError(f"learner.backend: unknown backend {cfg.learner.backend!r}")
 
 
-def learner_backend_kwargs(cfg: JobConfig) -> dict[str, Any]:
-    """The backend's keywords for each learner rank: ``backend`` and the fsdp settings for
-    every class (a class ignores what it does not use), the parallel sizes for megatron."""
+def learner_options(cfg: JobConfig, rank: int, *, rendezvous: str | None,
+                    run_dir: RunDir) -> LearnerOptions:
+    """Learner rank ``rank``'s options, from the config: the one place a learner option is
+    read from it (:mod:`erlay.actors.learner.options`)."""
     learner = cfg.learner
-    kwargs: dict[str, Any] = {"backend": learner.backend,
-                              "fsdp_cpu_offload": learner.fsdp.cpu_offload,
-                              "fsdp_reshard_after_forward": learner.fsdp.reshard_after_forward}
-    if learner.backend == "megatron":
-        kwargs.update(tensor_parallel=learner.megatron.tensor_parallel,
-                      pipeline_parallel=learner.megatron.pipeline_parallel,
-                      data_parallel=learner.megatron.data_parallel)
-    return kwargs
+    vllm = cfg.engine.vllm
+    return LearnerOptions(
+        lr=learner.lr, weight_decay=learner.weight_decay, max_grad_norm=learner.max_grad_norm,
+        clip_eps=learner.clip_eps, is_cap=learner.is_cap, kl_coef=learner.kl_coef,
+        temperature=cfg.engine.temperature, lr_decay_steps=learner.lr_decay_steps,
+        lr_min_ratio=learner.lr_min_ratio, mtp_loss_weight=learner.mtp_loss_weight,
+        minibatches=learner.minibatches, seed=cfg.run.seed, torch_threads=learner.torch_threads,
+        device=learner.device, rank=rank, world_size=learner.num_ranks, rendezvous=rendezvous,
+        backend=learner.backend, fsdp_cpu_offload=learner.fsdp.cpu_offload,
+        fsdp_reshard_after_forward=learner.fsdp.reshard_after_forward,
+        tensor_parallel=learner.megatron.tensor_parallel,
+        pipeline_parallel=learner.megatron.pipeline_parallel,
+        data_parallel=learner.megatron.data_parallel,
+        checkpoint_dir=str(run_dir.checkpoints), checkpoint_keep=cfg.checkpoint.keep,
+        checkpoint_deadline_s=cfg.checkpoint.deadline_s, ledger_path=str(run_dir.ledger),
+        # The vllm engines serve a GPT-2 directory: the learner starts from its weights.
+        init_model_dir=vllm.model_dir if cfg.engine.backend == "vllm" and vllm.model_dir
+        else None)
 
 
 def engine_restart_delay(cfg: JobConfig) -> float:
@@ -185,7 +190,7 @@ class Job:
         sinks = [s for s in (self.journal, transitions) if s is not None]
         self.transitions: TransitionSink = (TeeTransitions(*sinks) if len(sinks) > 1 else
                                             sinks[0] if sinks else NullTransitions())
-        self.coordinator: Any = None  # the running RolloutCoordinator (it registers itself)
+        self.coordinator: RolloutCoordinator | None = None   # the running incarnation
         self.metrics: queue.Queue[dict[str, Any]] = queue.Queue()
         self.restarts = RestartCounter()
         self._jsonl = JsonlSink(run_dir.events)
@@ -212,6 +217,34 @@ class Job:
                                          f"checkpoint of step {step}: {reason}", 0,
                                          time.time()))
         self.telemetry.checkpoint_failed()
+
+    def _start_coordinator(self) -> RolloutCoordinator:
+        """A new incarnation of the rollout coordinator (the rollout domain calls this at
+        every start), handed exactly what it needs of the job."""
+        assert self.tree is not None and self.paths is not None, "the tree is built first"
+        self.coordinator = RolloutCoordinator(CoordinatorContext(
+            cfg=self.cfg, run_dir=self.run_dir, tree=self.tree, paths=self.paths,
+            journal=self.journal, sink=self.transitions, tokenizer=self.tokenizer,
+            max_seq_len=self.plan.max_seq_len, validation_rows=self.env_spec.validation_rows,
+            observer=self.telemetry, report=self.report_metrics, abort=self.abort,
+            checkpoint_failed=self.checkpoint_failed, training_ended=self._training_ended))
+        return self.coordinator
+
+    @property
+    def restart_count(self) -> int:
+        """Restarts in the job's tree so far (``erlay status``, the progress bar)."""
+        return self.restarts.restarts
+
+    def _training_ended(self, step: int) -> None:
+        self.completed_steps = step
+
+    def tool_call(self, key: str, code: str) -> concurrent.futures.Future[dict[str, Any]]:
+        """Chaos's hook into a running job: ``code`` as a tool call through the running
+        coordinator's sandbox client, as a rollout would make it.  Raises LookupError when
+        no coordinator is running."""
+        if self.coordinator is None:
+            raise LookupError("the rollout coordinator is not running")
+        return self.coordinator.tool_call(key, code)
 
     def report_metrics(self, record: dict[str, Any]) -> None:
         """Called by the coordinator: one line in metrics.jsonl, one update of the bar."""
@@ -242,12 +275,6 @@ class Job:
             return shape
         return dict(self.plan.spec)
 
-    def _learner_init(self) -> dict[str, Any]:
-        vllm = self.cfg.engine.vllm
-        if self.cfg.engine.backend == "vllm" and vllm.model_dir:
-            return {"init_model_dir": vllm.model_dir}
-        return {}
-
     def _engine_start(self, model: dict[str, Any], opts: dict[str, Any]) -> ActorStart:
         """The start spec of one generation engine of the configured backend."""
         cfg = self.cfg
@@ -270,8 +297,6 @@ class Job:
             options=opts, boot_ahead=cfg.supervision.boot_ahead)
 
     def build(self) -> SupervisionTree:
-        from erlay.actors.job.coordinator import RolloutCoordinator
-
         cfg, sup = self.cfg, self.cfg.supervision
         model = self.model_config()
         env = {**actor_env(cfg.node), **self.telemetry.actor_env()}
@@ -284,20 +309,9 @@ class Job:
         rendezvous = f"learner-master:{self.run_dir.path.resolve()}"
         learner_opts = {**opts, "num_gpus": cfg.learner.num_gpus} if cfg.learner.num_gpus \
             else opts
-        learners = [ChildSpec(f"learner-{r}", ActorStart(learner_class(cfg), args=(model,),
-                                                         kwargs=dict(
-            lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay,
-            max_grad_norm=cfg.learner.max_grad_norm, clip_eps=cfg.learner.clip_eps,
-            is_cap=cfg.learner.is_cap, kl_coef=cfg.learner.kl_coef, seed=cfg.run.seed,
-            torch_threads=cfg.learner.torch_threads, minibatches=cfg.learner.minibatches,
-            rank=r, world_size=cfg.learner.num_ranks, rendezvous=rendezvous,
-            temperature=cfg.engine.temperature, lr_decay_steps=cfg.learner.lr_decay_steps,
-            lr_min_ratio=cfg.learner.lr_min_ratio, mtp_loss_weight=cfg.learner.mtp_loss_weight,
-            checkpoint_dir=str(self.run_dir.checkpoints), ledger_path=str(self.run_dir.ledger),
-            checkpoint_keep=cfg.checkpoint.keep, checkpoint_deadline_s=cfg.checkpoint.deadline_s,
-            device=cfg.learner.device,
-            **learner_backend_kwargs(cfg), **self._learner_init()), options=learner_opts,
-            boot_ahead=sup.boot_ahead),
+        learners = [ChildSpec(f"learner-{r}", ActorStart(learner_class(cfg), args=(
+            model, learner_options(cfg, r, rendezvous=rendezvous, run_dir=self.run_dir)),
+            options=learner_opts, boot_ahead=sup.boot_ahead),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
@@ -328,7 +342,7 @@ class Job:
             "erlay.actors.job.env_worker:EnvironmentServer", args=(self.env_spec,),
             call_timeout_s=cfg.plugins.timeout_s, ready_timeout_s=cfg.plugins.build_timeout_s),
             cfg.environment.workers_per_node, opts, declared)
-        coordinator = ChildSpec("coordinator", InProcessStart(RolloutCoordinator, args=(self,)),
+        coordinator = ChildSpec("coordinator", InProcessStart(self._start_coordinator),
                                 restart="transient", significant=True, shutdown=30.0)
 
         def domain(cid: str, flags: SupervisorFlags, children: list[ChildSpec],

@@ -61,6 +61,7 @@ from erlay.actors.learner.fsdp import (
     trainable_names,
 )
 from erlay.actors.learner.grpo import group_advantages, grpo_loss
+from erlay.actors.learner.options import LOOPBACK, LearnerOptions, resolve
 from erlay.actors.model.build import Policy, build_policy, publish_state, shape_of
 from erlay.actors.model.mtp import mtp_loss
 from erlay.actors.model.policy import sequence_logprobs
@@ -72,7 +73,6 @@ __all__ = ["LearnerCore", "TrainBatch", "pad_rows", "rank_minibatches", "rl_lear
            "shard", "staleness_stats"]
 
 STATE_FORMAT = 1
-LOOPBACK = "127.0.0.1"
 
 
 class LearnerCore:
@@ -88,64 +88,58 @@ class LearnerCore:
     logprobs.  Public methods hold one lock, so concurrent callers see whole steps.
     """
 
-    def __init__(self, model_config: dict[str, Any], *, lr: float = 3e-4,
-                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
-                 max_grad_norm: float = 1.0, clip_eps: float = 0.2, is_cap: float = 2.0,
-                 kl_coef: float = 0.0, seed: int = 0, torch_threads: int = 1,
-                 minibatches: int = 1, rank: int = 0, world_size: int = 1,
-                 master_addr: str = LOOPBACK, master_port: int = 29500,
-                 dist_timeout_s: float = 120.0, temperature: float = 1.0,
-                 lr_decay_steps: int = 0, lr_min_ratio: float = 0.1,
-                 mtp_loss_weight: float = 0.0, device: str = "cpu",
-                 backend: str = "replicated", fsdp_cpu_offload: bool = False,
-                 fsdp_reshard_after_forward: bool = True) -> None:
-        if backend not in ("replicated", "fsdp2"):
-            raise ValueError(f"LearnerCore runs backend replicated or fsdp2, not {backend!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        if minibatches < 1:
-            raise ValueError(f"minibatches must be >= 1, got {minibatches}")
-        torch.set_num_threads(torch_threads)
-        torch.manual_seed(seed)
-        random.seed(seed)
-        if device != "cpu":
+    def __init__(self, model_config: dict[str, Any], options: LearnerOptions | None = None,
+                 **overrides: Any) -> None:
+        """A learner of ``model_config`` with ``options`` (their defaults when None), any
+        keyword in ``overrides`` replacing the option of its name."""
+        o = self.options = resolve(options, overrides)
+        if o.backend not in ("replicated", "fsdp2"):
+            raise ValueError(f"LearnerCore runs backend replicated or fsdp2, not {o.backend!r}")
+        if not 0 <= o.rank < o.world_size:
+            raise ValueError(f"rank {o.rank} is outside world_size {o.world_size}")
+        if o.minibatches < 1:
+            raise ValueError(f"minibatches must be >= 1, got {o.minibatches}")
+        torch.set_num_threads(o.torch_threads)
+        torch.manual_seed(o.seed)
+        random.seed(o.seed)
+        if o.device != "cpu":
             # The rank's process is its own: every tensor it makes (batches, losses, the
             # model, but an fsdp2 model's shards only) goes to the device; checkpoints and
             # published weights are copied to the host where they are written or sent.
-            torch.set_default_device(device)
+            torch.set_default_device(o.device)
         # fsdp2 builds the whole policy on the host: only shards reach the device (fsdp.py).
-        with torch.device(build_device(backend, device)):
-            self.model = build_policy(model_config, seed=seed)
+        with torch.device(build_device(o.backend, o.device)):
+            self.model = build_policy(model_config, seed=o.seed)
         self.config = self.model.cfg
-        self.device = device
-        self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
-                                       "weight_decay": weight_decay}
+        self.device = o.device
+        self._hyper: dict[str, Any] = {"lr": o.lr, "betas": tuple(o.betas),
+                                       "weight_decay": o.weight_decay}
         # fsdp2: the model is sharded, and the optimizer remade over the shards, lazily at
         # the first collective call (erlay.actors.learner.fsdp); until then it is whole.
-        self._fsdp = Fsdp2Plan(rank=rank, cpu_offload=fsdp_cpu_offload,
-                               reshard_after_forward=fsdp_reshard_after_forward) \
-            if backend == "fsdp2" else None
+        self._fsdp = Fsdp2Plan(rank=o.rank, cpu_offload=o.fsdp_cpu_offload,
+                               reshard_after_forward=o.fsdp_reshard_after_forward) \
+            if o.backend == "fsdp2" else None
         self.optimizer = torch.optim.AdamW(self._trainable(), **self._hyper)
-        self.reference = self._frozen_copy() if kl_coef > 0 else None
-        self.max_grad_norm, self.clip_eps, self.is_cap = max_grad_norm, clip_eps, is_cap
-        self.kl_coef, self.seed, self.minibatches = kl_coef, seed, minibatches
+        self.reference = self._frozen_copy() if o.kl_coef > 0 else None
+        self.max_grad_norm, self.clip_eps, self.is_cap = o.max_grad_norm, o.clip_eps, o.is_cap
+        self.kl_coef, self.seed, self.minibatches = o.kl_coef, o.seed, o.minibatches
         # The engines' sampling temperature: RL logprobs are scored under the same tempered
         # distribution as the behaviour logprobs, or the importance weights would be wrong.
-        self.temperature = temperature
+        self.temperature = o.temperature
         # MTP boosting: the heads train on every batch beside the policy (erlay.actors.model.mtp).
-        self.mtp_loss_weight = mtp_loss_weight if self.config.mtp_heads else 0.0
-        self.lr_decay_steps, self.lr_min_ratio = lr_decay_steps, lr_min_ratio
-        self.rank, self.world_size = rank, world_size
-        self.master_addr, self.master_port = master_addr, master_port
-        self.dist_timeout_s = dist_timeout_s
+        self.mtp_loss_weight = o.mtp_loss_weight if self.config.mtp_heads else 0.0
+        self.lr_decay_steps, self.lr_min_ratio = o.lr_decay_steps, o.lr_min_ratio
+        self.rank, self.world_size = o.rank, o.world_size
+        self.master_addr, self.master_port = o.master_addr, o.master_port
+        self.dist_timeout_s = o.dist_timeout_s
         self.progress = Progress()
         self._step = 0
         self._version = 0
         self._warm_started = False   # a warm start (sft) finished: a resume must not redo it
         self._lock = threading.Lock()
         self._group_ready = False
-        log.info("learner rank %d/%d: %d parameters, seed %d", rank, world_size,
-                 self.model.num_parameters(), seed)
+        log.info("learner rank %d/%d: %d parameters, seed %d", o.rank, o.world_size,
+                 self.model.num_parameters(), o.seed)
 
     # ------------------------------------------------------------------ reading the policy
     def version(self) -> int:

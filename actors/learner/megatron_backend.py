@@ -84,6 +84,7 @@ from erlay.actors.learner.megatron_model import (
     right_pad,
 )
 from erlay.actors.learner.megatron_pipeline import Pipeline, sft_row_loss
+from erlay.actors.learner.options import LOOPBACK, LearnerOptions, resolve
 from erlay.actors.model.megatron_convert import (
     check_parallel,
     hf_to_megatron,
@@ -99,7 +100,6 @@ from erlay.supervisor.progress import Progress
 log = logging.getLogger("erlay.learner")
 
 STATE_FORMAT = "megatron-1"
-LOOPBACK = "127.0.0.1"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -117,64 +117,52 @@ def require_cuda() -> None:
 class MegatronLearner:
     """One megatron learner rank (module docstring).  GPU only."""
 
-    def __init__(self, model_config: dict[str, Any], *, lr: float = 3e-4,
-                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
-                 max_grad_norm: float = 1.0, clip_eps: float = 0.2, is_cap: float = 2.0,
-                 kl_coef: float = 0.0, seed: int = 0, torch_threads: int = 1,
-                 minibatches: int = 1, rank: int = 0, world_size: int = 1,
-                 master_addr: str = LOOPBACK, master_port: int = 29500,
-                 dist_timeout_s: float = 120.0, temperature: float = 1.0,
-                 lr_decay_steps: int = 0, lr_min_ratio: float = 0.1,
-                 mtp_loss_weight: float = 0.0, device: str = "cuda",
-                 checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
-                 checkpoint_deadline_s: float = 300.0, ledger_path: str | None = None,
-                 init_model_dir: str | None = None,
-                 tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 data_parallel: int | None = None, backend: str = "megatron",
-                 fsdp_cpu_offload: bool = False, fsdp_reshard_after_forward: bool = True,
-                 rendezvous: str | None = None) -> None:
-        # backend and fsdp_*: the keywords the driver gives every learner; fsdp_* are unused.
-        if backend != "megatron":
-            raise ValueError(f"MegatronLearner runs learner.backend megatron, not {backend!r}")
+    def __init__(self, model_config: dict[str, Any], options: LearnerOptions | None = None,
+                 **overrides: Any) -> None:
+        # Built directly (a test), it is the megatron backend unless told otherwise.
+        o = self.options = resolve(options or LearnerOptions(backend="megatron"), overrides)
+        # fsdp_*, mtp_loss_weight and init_model_dir are other backends' options.
+        if o.backend != "megatron":
+            raise ValueError(f"MegatronLearner runs learner.backend megatron, not {o.backend!r}")
         require_cuda()
         if not model_config.get("hf"):
             raise ValueError("the megatron backend needs an HF model (model.hf)")
         if model_config.get("lora") or model_config.get("mtp_heads"):
             raise ValueError("the megatron backend trains full weights: no LoRA, no MTP heads")
-        if tensor_parallel * pipeline_parallel * (data_parallel or 1) != world_size \
-                and data_parallel is not None:
-            raise ValueError(f"tp {tensor_parallel} x pp {pipeline_parallel} x dp "
-                             f"{data_parallel} != world_size {world_size}")
+        if o.tensor_parallel * o.pipeline_parallel * (o.data_parallel or 1) != o.world_size \
+                and o.data_parallel is not None:
+            raise ValueError(f"tp {o.tensor_parallel} x pp {o.pipeline_parallel} x dp "
+                             f"{o.data_parallel} != world_size {o.world_size}")
         from erlay.actors.model.hf import load_hf_config
         self.model_dir = model_config["hf"]
         self.shape = megatron_shape(load_hf_config(Path(self.model_dir)))
-        check_parallel(self.shape, tensor_parallel, pipeline_parallel)
-        if pipeline_parallel > 1 and self.shape.tied:
+        check_parallel(self.shape, o.tensor_parallel, o.pipeline_parallel)
+        if o.pipeline_parallel > 1 and self.shape.tied:
             raise ValueError("learner.megatron.pipeline_parallel > 1 with tied input and output "
                              "embeddings is not implemented")
-        torch.set_num_threads(torch_threads)
-        torch.manual_seed(seed)
-        random.seed(seed)
-        self.tp, self.pp = tensor_parallel, pipeline_parallel
-        self.dp = world_size // (tensor_parallel * pipeline_parallel)
-        self.rank, self.world_size = rank, world_size
-        self.master_addr, self.master_port = master_addr, master_port
-        self._rendezvous = rendezvous   # rank 0's address via Ray (learner.rendezvous)
-        if rendezvous is not None and rank == 0:
+        torch.set_num_threads(o.torch_threads)
+        torch.manual_seed(o.seed)
+        random.seed(o.seed)
+        self.tp, self.pp = o.tensor_parallel, o.pipeline_parallel
+        self.dp = o.world_size // (o.tensor_parallel * o.pipeline_parallel)
+        self.rank, self.world_size = o.rank, o.world_size
+        self.master_addr, self.master_port = o.master_addr, o.master_port
+        self._rendezvous = o.rendezvous   # rank 0's address via Ray (learner.rendezvous)
+        if o.rendezvous is not None and o.rank == 0:
             from erlay.actors.learner.rendezvous import announce_master
-            self.master_addr, self.master_port = announce_master(rendezvous)
-        self.dist_timeout_s = dist_timeout_s
+            self.master_addr, self.master_port = announce_master(o.rendezvous)
+        self.dist_timeout_s = o.dist_timeout_s
         self.dtype = _DTYPES.get(str(model_config.get("dtype", "float32")), torch.float32)
         # The rank's device: its GPU.  Only a test that patches megatron's CUDA calls (and
         # require_cuda) runs this class with device "cpu" (tests/actors/learner/
         # test_megatron_learner.py); the job's config refuses it.
-        self.device = torch.device("cpu") if device == "cpu" else torch.device("cuda")
-        self._hyper: dict[str, Any] = {"lr": lr, "betas": tuple(betas),
-                                       "weight_decay": weight_decay}
-        self.max_grad_norm, self.clip_eps, self.is_cap = max_grad_norm, clip_eps, is_cap
-        self.kl_coef, self.seed, self.minibatches = kl_coef, seed, minibatches
-        self.temperature = temperature
-        self.lr_decay_steps, self.lr_min_ratio = lr_decay_steps, lr_min_ratio
+        self.device = torch.device("cpu") if o.device == "cpu" else torch.device("cuda")
+        self._hyper: dict[str, Any] = {"lr": o.lr, "betas": tuple(o.betas),
+                                       "weight_decay": o.weight_decay}
+        self.max_grad_norm, self.clip_eps, self.is_cap = o.max_grad_norm, o.clip_eps, o.is_cap
+        self.kl_coef, self.seed, self.minibatches = o.kl_coef, o.seed, o.minibatches
+        self.temperature = o.temperature
+        self.lr_decay_steps, self.lr_min_ratio = o.lr_decay_steps, o.lr_min_ratio
         self.progress = Progress()
         self._step = self._version = 0
         self._warm_started = False
@@ -183,9 +171,9 @@ class MegatronLearner:
         self.reference: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._published: dict[str, torch.Tensor] | None = None   # rank 0: merged HF weights
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.checkpoint_keep = checkpoint_keep
-        self.checkpoint_deadline_s = checkpoint_deadline_s
+        self.checkpoint_dir = Path(o.checkpoint_dir) if o.checkpoint_dir else None
+        self.checkpoint_keep = o.checkpoint_keep
+        self.checkpoint_deadline_s = o.checkpoint_deadline_s
         self._checkpointer: Any = None
         from erlay.actors.learner.checkpoint import FailedSaves
         self._failed_saves = FailedSaves()   # the replicated learner's rule (rank.Learner)
@@ -201,12 +189,12 @@ class MegatronLearner:
             self._version = int(self._pending_state["version"])
             self.restored = {"step": info.step, "path": str(info.path), **extra}
         self.ledger = None
-        if ledger_path and rank == 0:
+        if o.ledger_path and o.rank == 0:
             from erlay.actors.learner.ledger import LearnerLedger
-            self.ledger = LearnerLedger(ledger_path)
+            self.ledger = LearnerLedger(o.ledger_path)
         if self.ledger is not None:
             self.ledger.started(self._step, self.restored is not None)
-        if world_size == 1:
+        if o.world_size == 1:
             self._ensure_model()
 
     # ------------------------------------------------------------------ the model, lazily

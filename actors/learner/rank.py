@@ -37,6 +37,7 @@ from erlay.actors.learner.checkpoint_format import SHARDED
 from erlay.actors.learner.core import STATE_FORMAT, LearnerCore, TrainBatch
 from erlay.actors.learner.fsdp import full_model_state, read_sharded_whole, sharded_app_state
 from erlay.actors.learner.ledger import LearnerLedger
+from erlay.actors.learner.options import LearnerOptions
 from erlay.actors.learner.rendezvous import (
     announce_master,
     interface_of,
@@ -74,11 +75,12 @@ class Learner(LearnerCore):
     the next answer of :meth:`save_checkpoint` or :meth:`wait_checkpoints`.
     """
 
-    def __init__(self, *args: Any, checkpoint_dir: str | None = None, checkpoint_keep: int = 3,
-                 checkpoint_deadline_s: float = 300.0, init_model_dir: str | None = None,
-                 ledger_path: str | None = None, rendezvous: str | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, model_config: dict[str, Any], options: LearnerOptions | None = None,
+                 **overrides: Any) -> None:
+        super().__init__(model_config, options, **overrides)
+        o = self.options
+        rendezvous, init_model_dir = o.rendezvous, o.init_model_dir
+        checkpoint_dir, ledger_path = o.checkpoint_dir, o.ledger_path
         # With a rendezvous key the ranks meet at rank 0's node, wherever Ray placed it
         # (erlay.actors.learner.rendezvous); without one, at master_addr:master_port.
         self._rendezvous = rendezvous
@@ -95,8 +97,8 @@ class Learner(LearnerCore):
             if self.reference is not None:
                 self.reference = self._frozen_copy()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.checkpoint_keep = checkpoint_keep
-        self.checkpoint_deadline_s = checkpoint_deadline_s
+        self.checkpoint_keep = o.checkpoint_keep
+        self.checkpoint_deadline_s = o.checkpoint_deadline_s
         self._checkpointer: Any = None   # AsyncCheckpointer, or ShardedCheckpointer (fsdp2)
         self._failed_saves = FailedSaves()   # reported by the next save or wait answer
         self.restored: dict[str, Any] | None = None

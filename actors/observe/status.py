@@ -50,14 +50,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from erlay.actors.config import JobConfig
 from erlay.actors.observe.status_view import (
     PUBLISH_INTERVAL_S,
     render_json,
     render_text,
     status_view,
 )
+from erlay.actors.rundir import RunDir
+from erlay.supervisor.tree import SupervisionTree
 
 log = logging.getLogger("erlay.status")
 
@@ -99,6 +102,20 @@ def _kv_put(key: str, value: str) -> None:
                            timeout=GCS_TIMEOUT_S)
 
 
+class JobView(Protocol):
+    """What ``erlay status`` publishes of a running job (the driver's ``Job`` is one)."""
+
+    cfg: JobConfig
+    run_dir: RunDir
+    last_metrics: dict[str, Any] | None
+    last_rl_metrics: dict[str, Any] | None
+
+    @property
+    def restart_count(self) -> int:
+        """Restarts in the job's tree so far."""
+        ...
+
+
 class StatusPublisher:
     """Publishes ``collect()`` under this driver's Ray job every ``interval_s`` seconds.
 
@@ -117,7 +134,8 @@ class StatusPublisher:
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def for_job(job: Any, tree: Any, interval_s: float = PUBLISH_INTERVAL_S) -> StatusPublisher:
+    def for_job(job: JobView, tree: SupervisionTree,
+                interval_s: float = PUBLISH_INTERVAL_S) -> StatusPublisher:
         """A publisher of ``job``'s summary and ``tree``'s snapshot (see :func:`job_doc`)."""
         started = time.monotonic()
         return StatusPublisher(lambda: job_doc(job, tree, started, interval_s), interval_s,
@@ -186,7 +204,8 @@ class StatusPublisher:
             self._stop.wait(self.interval_s)
 
 
-def job_doc(job: Any, tree: Any, started: float, interval_s: float) -> dict[str, Any]:
+def job_doc(job: JobView, tree: SupervisionTree, started: float,
+            interval_s: float) -> dict[str, Any]:
     """What a job publishes: run identity, a progress summary and the tree snapshot.
 
     Raises whatever ``tree.snapshot`` raises (the publisher skips that tick)."""
@@ -202,7 +221,7 @@ def job_doc(job: Any, tree: Any, started: float, interval_s: float) -> dict[str,
                 "dir": str(job.run_dir.path)},
         "job": {"phase": last.get("phase"), "step": rl.get("step"),
                 "steps": job.cfg.run.steps, "reward": rl.get("reward_mean"),
-                "restarts": job.restarts.restarts,
+                "restarts": job.restart_count,
                 "uptime_s": round(time.monotonic() - started, 3),
                 "driver": {"pid": os.getpid(), "host": socket.gethostname()}},
         "tree": snapshot,

@@ -48,3 +48,29 @@ def test_a_signal_records_whether_it_landed_in_the_phase_it_waited_for(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_sandbox_attack_goes_through_the_jobs_named_hook() -> None:
+    """The attack is a tool call the job makes through its running coordinator's sandbox
+    client (``Job.tool_call``); with no coordinator running nothing is injected."""
+    import concurrent.futures
+
+    calls: list[tuple[str, str]] = []
+
+    def tool_call(key: str, code: str) -> concurrent.futures.Future[dict[str, Any]]:
+        calls.append((key, code))
+        done: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        done.set_result({"outcome": "killed"})
+        return done
+
+    injector = Injector(SimpleNamespace(tool_call=tool_call))  # type: ignore[arg-type]
+    record = injector.sandbox_attack("fork_bomb", "while True: os.fork()")
+    assert calls == [(f"chaos-{record.id}/fork_bomb", "while True: os.fork()")]
+    assert injector.attack_results == [{"attack": "fork_bomb", "outcome": "killed"}]
+
+    def not_running(key: str, code: str) -> Any:
+        raise LookupError("the rollout coordinator is not running")
+    idle = Injector(SimpleNamespace(tool_call=not_running))  # type: ignore[arg-type]
+    with pytest.raises(LookupError):
+        idle.sandbox_attack("fork_bomb", "pass")
+    assert idle.records == []

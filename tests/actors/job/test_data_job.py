@@ -15,6 +15,7 @@ from erlay.actors.data.rows import load_rows
 from erlay.actors.job.coordinator import RolloutCoordinator
 from erlay.actors.job.driver import Job
 from erlay.actors.job.rollout import Trajectory
+from erlay.actors.job.seam import CoordinatorContext, DomainPaths
 from erlay.actors.job.validation import summarize
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import NullTransitions
@@ -35,17 +36,17 @@ class _RunDir:
         return [{"phase": "rl", "step": s} for s in range(self.reported)]
 
 
-class _Job:
-    """What the coordinator reads of its job, without Ray."""
-
-    def __init__(self, reported: int) -> None:
-        self.cfg = load_config(GSM, [f"rollout.prompts_per_step={PROMPTS}",
-                                     f"rollout.group_size={GROUP}"])
-        self.journal = None
-        self.transitions = NullTransitions()
-        self.run_dir = _RunDir(reported)
-        self.coordinator: Any = None
-        self.report_metrics = lambda record: None
+def _context(reported: int) -> CoordinatorContext:
+    """What the coordinator gets of its job, without Ray: no tree (setup is not called),
+    a run dir that reports ``reported`` steps, nothing journaled."""
+    cfg = load_config(GSM, [f"rollout.prompts_per_step={PROMPTS}",
+                            f"rollout.group_size={GROUP}"])
+    return CoordinatorContext(
+        cfg=cfg, run_dir=_RunDir(reported), tree=None,  # type: ignore[arg-type]
+        paths=DomainPaths([], [], [], [], [], []), journal=None, sink=NullTransitions(),
+        tokenizer=None, max_seq_len=0, validation_rows=0,  # type: ignore[arg-type]
+        observer=None, report=lambda record: None, abort=lambda reason: None,
+        checkpoint_failed=lambda step, reason: None, training_ended=lambda step: None)
 
 
 class _Runner:
@@ -62,9 +63,9 @@ class _Runner:
 
 def coordinator(learner_step: int | None) -> RolloutCoordinator:
     """A coordinator whose learner is fresh (None) or was restored at ``learner_step``."""
-    job = _Job(reported=learner_step or 0)
-    coord = RolloutCoordinator(job)
-    coord.env = inline_environment(DatasetEnv(load_rows(job.cfg.data), name="gsm"),
+    ctx = _context(reported=learner_step or 0)
+    coord = RolloutCoordinator(ctx)
+    coord.env = inline_environment(DatasetEnv(load_rows(ctx.cfg.data), name="gsm"),
                                    "erlay.environments.dataset:DatasetEnv")
     coord.runner = _Runner()  # type: ignore[assignment]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from erlay.actors.job.coordinator import RolloutCoordinator
 from erlay.supervisor.errors import ChildNotRunning
-from tests.actors.job.test_data_job import _Job
+from tests.actors.job.test_data_job import _context
 
 
 class _Rank:
@@ -44,7 +44,7 @@ class _Rank:
 
 
 def calls_while_rank_1_restarts(down: int) -> tuple[list[str], list[str]]:
-    coord = RolloutCoordinator(_Job(reported=0))
+    coord = RolloutCoordinator(_context(reported=0))
     # Rank 0 already runs its new incarnation; rank 1 is still starting.
     ranks = [_Rank("erlay/learner/learner-0", 0), _Rank("erlay/learner/learner-1", down)]
     coord.learners = ranks  # type: ignore[assignment]

@@ -21,19 +21,18 @@ SURFACE = ("train_step", "sft", "publish", "versioned_weights", "status", "save_
 
 
 def keywords(cls: type) -> set[str]:
-    return {n for n, p in inspect.signature(cls.__init__).parameters.items()
-            if p.kind is p.KEYWORD_ONLY}
+    return set(inspect.signature(cls.__init__).parameters) - {"self"}
 
 
-def test_megatron_learner_has_the_replicated_learners_surface_and_keywords() -> None:
+def test_megatron_learner_has_the_replicated_learners_surface_and_options() -> None:
+    """Every backend takes the same LearnerOptions the driver builds once: the same
+    constructor, and an option no backend knows is refused by name before anything runs."""
     for name in SURFACE:
         assert callable(getattr(MegatronLearner, name, None)), name
-    ours = keywords(MegatronLearner)
-    theirs = (keywords(LearnerCore) | keywords(Learner)) - {"args", "kwargs"}
-    assert theirs <= ours, theirs - ours
-    assert {"tensor_parallel", "pipeline_parallel", "data_parallel"} <= ours
-    # Planted: a learner missing one of the driver's keywords fails the same comparison.
-    assert not (theirs <= ours - {"ledger_path"})
+    assert keywords(MegatronLearner) == keywords(Learner) == keywords(LearnerCore) == {
+        "model_config", "options", "overrides"}
+    with pytest.raises(TypeError, match="no learner option named ledger"):
+        MegatronLearner({"hf": "unused"}, ledger="typo")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
