@@ -11,5 +11,5 @@ Contract: a bad dataset is refused before anything starts, with one
 missing or mistyped column (``erlay run`` exits 2); an empty dataset is refused too.  Loading
 writes nothing into the user's HF cache for local files and never reaches the network.
 
-May import: erlay.supervisor, erlay.actors.config, erlay.actors.config_data.
+May import: erlay.supervisor, erlay.actors.config.
 """

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import ConfigError
-from erlay.actors.config_data import DataSection
+from erlay.actors.config.data import DataSection
 
 log = logging.getLogger("erlay.data")
 

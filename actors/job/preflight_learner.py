@@ -1,5 +1,5 @@
 """Preflight checks of ``learner.backend`` that need the model: what the config keys alone
-cannot decide (:mod:`erlay.actors.config_learner` checks those).
+cannot decide (:mod:`erlay.actors.config.learner` checks those).
 
 :func:`backend_problem` is pure: given the config, the HF model's config and what this
 machine has, it returns the one-line reason the backend cannot run, or None.

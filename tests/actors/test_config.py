@@ -112,15 +112,15 @@ def test_resolved_config_round_trips_through_yaml(tmp_path: Path) -> None:
 
 
 def test_the_configuration_page_is_generated_from_the_models() -> None:
-    """docs/configuration.md is what `python -m erlay.actors.config_reference` writes."""
-    from erlay.actors.config_reference import render
+    """docs/configuration.md is what `python -m erlay.actors.config.reference` writes."""
+    from erlay.actors.config.reference import render
     page = (CONFIGS.parent / "docs" / "configuration.md").read_text()
     assert page == render(), ("docs/configuration.md is stale: regenerate it with "
-                              "python -m erlay.actors.config_reference > docs/configuration.md")
+                              "python -m erlay.actors.config.reference > docs/configuration.md")
 
 
 def test_every_option_is_described_in_the_configuration_page() -> None:
-    from erlay.actors.config_reference import render
+    from erlay.actors.config.reference import render
     undescribed = [line for line in render().splitlines() if line.endswith("|  |")]
     assert undescribed == []
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from erlay.actors.config import ConfigError, load_config
-from erlay.actors.config_data import DataSection
+from erlay.actors.config.data import DataSection
 from erlay.actors.data.rows import load_rows
 from erlay.actors.job.preflight import preflight
 from tests.paths import REPO

@@ -1,6 +1,6 @@
 """The configuration reference, generated from the pydantic models of :mod:`erlay.actors.config`.
 
-    python -m erlay.actors.config_reference > docs/configuration.md
+    python -m erlay.actors.config.reference > docs/configuration.md
 
 The page lists every key of :class:`~erlay.actors.config.JobConfig` with its type, default,
 bounds and description, section by section, so it cannot drift from the code: a test
@@ -25,8 +25,8 @@ from erlay.actors.config import JobConfig
 
 HEADER = """# Configuration reference
 
-Generated from the pydantic models in `actors/config.py` by
-`python -m erlay.actors.config_reference`; do not edit by hand. A job config is YAML with
+Generated from the pydantic models in `actors/config/` by
+`python -m erlay.actors.config.reference`; do not edit by hand. A job config is YAML with
 these sections; every key has the default shown. Override any key on the command line as
 `key.sub=value` (the value is parsed as YAML), e.g. `erlay run configs/cpu.yaml
 learner.lr=1e-4 run.steps=50`. An unknown key, a wrong type or a value out of bounds fails

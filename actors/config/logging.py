@@ -1,7 +1,7 @@
 """The ``logging`` section of a job config: the experiment trackers a run's metrics go to.
 
 Kept beside :mod:`erlay.actors.config` (which includes it in :class:`JobConfig`), as
-:mod:`erlay.actors.config_data` is.  Feeding the trackers is
+:mod:`erlay.actors.config.data` is.  Feeding the trackers is
 :mod:`erlay.actors.observe.trackers`' job; this module only says what the keys mean.
 """
 

@@ -1,5 +1,9 @@
 """The job's configuration: one typed pydantic model, validated once at load time.
 
+The room: this module is the model and its loader; its sections of their own are
+:mod:`.data` (``data``), :mod:`.learner` (``learner``), :mod:`.logging` (``logging``), and
+:mod:`.reference` writes ``docs/configuration.md`` from the fields.
+
 ``load_config(path, overrides)`` reads YAML, applies ``key.sub=value`` overrides, validates,
 and raises :class:`ConfigError` before anything starts.  The message names the key, what was
 expected and what was given: an unknown key, a wrong type, a missing file, an environment or
@@ -7,9 +11,8 @@ judge class that cannot be imported.
 
 Every option is documented on its field; ``configs/reference.yaml`` shows them all.
 
-May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges,
-erlay.actors.config_data, erlay.actors.config_learner, erlay.actors.config_logging (the
-default plug-ins are named by import path).
+May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges (the default
+plug-ins are named by import path).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from erlay.actors.config_data import DataSection
-from erlay.actors.config_learner import LearnerSection
-from erlay.actors.config_logging import LoggingSection
+from erlay.actors.config.data import DataSection
+from erlay.actors.config.learner import LearnerSection
+from erlay.actors.config.logging import LoggingSection
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.imports import import_path
 
