@@ -52,7 +52,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+    from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer
     torch.set_num_threads(1)
     os.environ.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(args.port))

@@ -28,7 +28,7 @@ from erlay.actors.journal.format import (
 )
 from erlay.actors.journal.state import JournalState
 from erlay.actors.journal.transitions import Transition, TransitionKind
-from erlay.actors.learner.checkpoint_format import (
+from erlay.actors.learner.checkpoint.format import (
     SHARDED,
     CheckpointInvalid,
     list_checkpoints,

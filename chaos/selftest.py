@@ -43,7 +43,7 @@ from erlay.actors.config import load_config
 from erlay.actors.journal.rollout_id import RolloutId
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind
-from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
+from erlay.actors.learner.checkpoint.format import step_dir_name, write_checkpoint_dir
 from erlay.actors.learner.ledger import LearnerLedger
 from erlay.actors.observe.goodput import StepCounts
 from erlay.actors.observe.summary import write_summary

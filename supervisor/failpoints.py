@@ -67,14 +67,14 @@ KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "
          "judge.verdict", "learner.train_step", "learner.checkpoint", "rollout.dispatch",
          "rollout.after_train",
          "host.spawn",
-         # The stages of a checkpoint: the snapshot (actors/learner/snapshot.py), the
-         # worker's write and fsync (checkpoint_format.py), the commit (checkpoint_commit.py)
-         # and retention (checkpoint.py).
+         # The stages of a checkpoint (actors/learner/checkpoint/): the snapshot
+         # (snapshot.py), the worker's write and fsync (format.py), the commit (commit.py)
+         # and retention (__init__.py).
          "learner.checkpoint_snapshot", "learner.checkpoint_write", "learner.checkpoint_fsync",
          "learner.checkpoint_before_swap", "learner.checkpoint_mid_swap",
          "learner.checkpoint_after_swap", "learner.checkpoint_before_cleanup",
          "learner.checkpoint_retire",
-         # A sharded checkpoint (actors/learner/sharded_checkpoint.py): every rank's shard
+         # A sharded checkpoint (actors/learner/checkpoint/sharded.py): every rank's shard
          # is written, rank 0 has not written the manifest yet.
          "learner.checkpoint_manifest",
          # Faults of user code, fired where erlay calls it, inside its guard: raise is the

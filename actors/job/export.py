@@ -15,11 +15,11 @@ policy from the config and loads the checkpoint's weights into it, then writes
   ``transformers`` one, so no tokenizer files are written.
 
 A sharded checkpoint (``learner.backend: fsdp2``,
-:mod:`~erlay.actors.learner.sharded_checkpoint`) is consolidated first: its model shards,
+:mod:`~erlay.actors.learner.checkpoint.sharded`) is consolidated first: its model shards,
 whatever rank count saved them, are loaded with ``torch.distributed.checkpoint`` in this one
 process, without a process group, into the policy rebuilt on the CPU
-(:func:`~erlay.actors.learner.sharded_load.load_full_model`, every file's sha256 checked), and
-exported as above.
+(:func:`~erlay.actors.learner.checkpoint.sharded_load.load_full_model`, every file's sha256
+checked), and exported as above.
 
 Every failure a user can cause (no run directory, no such step, no adapter to export, a
 checkpoint that cannot be read) raises :class:`ExportError` with one line.
@@ -52,7 +52,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     """Export checkpoint ``step`` (default: the newest committed one) of ``run_dir`` into
     ``out_dir`` (module docstring).  Raises :class:`ExportError`."""
     from erlay.actors.job.modelplan import plan_model
-    from erlay.actors.learner.checkpoint_format import (
+    from erlay.actors.learner.checkpoint.format import (
         SHARDED,
         CheckpointInvalid,
         latest,
@@ -99,7 +99,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
 def _consolidate(spec: dict, is_hf: bool, path: Path) -> dict:
     """The whole model state of the sharded checkpoint ``path``, in the run's policy's names
     (the state dict of the policy rebuilt on the CPU, filled from every rank's shards)."""
-    from erlay.actors.learner.sharded_load import load_full_model
+    from erlay.actors.learner.checkpoint.sharded_load import load_full_model
     from erlay.actors.model.build import build_policy
 
     # The checkpoint holds every weight: skip reading the pretrained ones first.

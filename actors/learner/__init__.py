@@ -7,8 +7,10 @@
   :mod:`.fsdp_parity`: the check that the sharded step equals one whole learner's;
 - :mod:`.rank`: :class:`Learner`, a rank as a supervised actor child (weights through the
   Ray object store);
-- :mod:`.checkpoint` and :mod:`.checkpoint_format`: async checkpoints on
-  nvidia-resiliency-ext's persistent worker, committed by atomic rename, keep-k.
+- :mod:`.checkpoint`: the checkpoint room: async checkpoints on nvidia-resiliency-ext's
+  persistent worker (its ``__init__``), the on-disk format and verification
+  (:mod:`.checkpoint.format`), the atomic commit, the snapshot into shared memory, the
+  worker, and sharded (fsdp2) saves and loads;
 
 Contract: each trajectory is trained by exactly one step; a restarted rank reloads the last
 committed checkpoint, and a checkpoint that is not complete is never loaded.

@@ -33,7 +33,7 @@ is ``fsdp2``; the core calls it at a few fixed points.  Contracts:
   gather of the full weights (:meth:`Fsdp2Plan.refresh_host`); rank 0 keeps them in a host
   copy of the model, which serves ``publish``, ``versioned_weights`` and
   ``evaluate_logprobs`` on rank 0 alone without any collective.  Other ranks refuse those.
-- **Checkpoints** are sharded (:mod:`erlay.actors.learner.sharded_checkpoint`; every rank
+- **Checkpoints** are sharded (:mod:`erlay.actors.learner.checkpoint.sharded`; every rank
   saves its shards, a collective).  A restarted rank restores one in two halves: in its
   constructor, alone, the whole weights and the timeline (step, version; what ``status`` and
   rank 0's ``publish`` need before any collective), and at sharding, collectively, the
@@ -327,7 +327,7 @@ class Fsdp2Plan:
 
 def sharded_app_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                       plain: dict[str, Any]) -> dict[str, Any]:
-    """What :class:`~erlay.actors.learner.sharded_checkpoint.ShardedCheckpointer` saves:
+    """What :class:`~erlay.actors.learner.checkpoint.sharded.ShardedCheckpointer` saves:
     the model's and optimizer's DCP state dicts (this rank's shards) and ``plain``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     unstepped_state(optimizer)
@@ -342,7 +342,7 @@ def load_sharded_state(path: Path, model: nn.Module, optimizer: torch.optim.Opti
     saved one; returns the plain entries.  Collective."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from erlay.actors.learner.sharded_load import load_sharded
+    from erlay.actors.learner.checkpoint.sharded_load import load_sharded
     app = sharded_app_state(model, optimizer, {})
     load_sharded(path, app)
     set_state_dict(model, optimizer, model_state_dict=app["model"],
@@ -358,7 +358,7 @@ def read_sharded_whole(path: Path, model: nn.Module) -> dict[str, Any]:
     """Every rank alone, before sharding: fill the whole ``model`` from the sharded
     checkpoint ``path`` (every rank's shards consolidated) and return its plain entries
     (rank 0's: step, version, ...)."""
-    from erlay.actors.learner.sharded_load import load_full_model, rank_file
+    from erlay.actors.learner.checkpoint.sharded_load import load_full_model, rank_file
     load_full_model(path, model.state_dict())
     return dict(torch.load(path / rank_file(0), map_location="cpu", weights_only=True))
 

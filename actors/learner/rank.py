@@ -33,7 +33,7 @@ from erlay.actors.learner.checkpoint import (
     latest,
     load,
 )
-from erlay.actors.learner.checkpoint_format import SHARDED
+from erlay.actors.learner.checkpoint.format import SHARDED
 from erlay.actors.learner.core import STATE_FORMAT, LearnerCore, TrainBatch
 from erlay.actors.learner.fsdp import full_model_state, read_sharded_whole, sharded_app_state
 from erlay.actors.learner.ledger import LearnerLedger
@@ -144,7 +144,7 @@ class Learner(LearnerCore):
 
     def _save_sharded(self, extra: dict[str, Any]) -> dict[str, Any]:
         """:meth:`save_checkpoint` for fsdp2: every rank saves its shards (collective)."""
-        from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+        from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer
         started = time.perf_counter()
         with self._lock:
             self._ready()

@@ -10,7 +10,7 @@ from typing import Any
 
 from erlay.actors.config import load_config
 from erlay.actors.job.modelplan import plan_model
-from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
+from erlay.actors.learner.checkpoint.format import step_dir_name, write_checkpoint_dir
 from erlay.actors.learner.core import LearnerCore, TrainBatch
 from erlay.actors.model.tiny import write_tiny_model
 from erlay.actors.model.tokens import HFTokenizer

@@ -22,7 +22,7 @@ import torch
 from erlay.actors.config import load_config
 from erlay.actors.job.export import ExportError, export_run
 from erlay.actors.job.modelplan import plan_model
-from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
+from erlay.actors.learner.checkpoint.format import step_dir_name, write_checkpoint_dir
 from erlay.actors.learner.core import LearnerCore
 from erlay.actors.model.build import build_policy, load_engine_state
 from erlay.actors.model.export import served_shapes

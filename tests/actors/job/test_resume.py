@@ -158,7 +158,7 @@ def test_an_escalation_between_a_learner_step_and_its_journal_record_resumes_exa
     The resume restores step 2, trains 2 and 3 from the journal, and verifies clean."""
     import shutil
 
-    from erlay.actors.learner.checkpoint_format import step_dir_name, write_checkpoint_dir
+    from erlay.actors.learner.checkpoint.format import step_dir_name, write_checkpoint_dir
     from erlay.chaos.verify import verify
     from erlay.supervisor import failpoints
 

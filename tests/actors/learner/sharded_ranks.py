@@ -100,7 +100,7 @@ def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Pa
     """Save each of ``steps`` in turn, a train step after each (the third save of a
     checkpointer reuses its cached plan); the reference is the last step's."""
     from erlay.actors.learner.checkpoint import CheckpointSaveFailed
-    from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+    from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer
     checkpointer = ShardedCheckpointer(root, keep=1)
     checkpointer.guard(optimizer)
     for step in steps:
@@ -122,7 +122,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path,
          reference: Path) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from erlay.actors.learner.sharded_checkpoint import load_sharded
+    from erlay.actors.learner.checkpoint.sharded import load_sharded
     rng_before = torch.get_rng_state()
     fresh = whole(model, optimizer)
     if dist.get_rank() == 0:  # what the check below says when nothing is loaded

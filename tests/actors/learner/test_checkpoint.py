@@ -31,7 +31,7 @@ from erlay.actors.learner.checkpoint import (
     list_checkpoints,
     load,
 )
-from erlay.actors.learner.checkpoint_format import STATE_FILE, write_checkpoint_dir
+from erlay.actors.learner.checkpoint.format import STATE_FILE, write_checkpoint_dir
 from tests.actors.learner.test_core import arithmetic_batch, learner, same_weights
 from tests.conftest import wait_for
 from tests.paths import REPO

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from erlay.actors.learner import checkpoint_commit
 from erlay.actors.learner.checkpoint import (
     AsyncCheckpointer,
     CheckpointSaveFailed,
@@ -26,7 +25,8 @@ from erlay.actors.learner.checkpoint import (
     list_checkpoints,
     load,
 )
-from erlay.actors.learner.checkpoint_format import aside_name, write_checkpoint_dir
+from erlay.actors.learner.checkpoint import commit as checkpoint_commit
+from erlay.actors.learner.checkpoint.format import aside_name, write_checkpoint_dir
 from erlay.supervisor import failpoints
 from tests.paths import REPO
 
@@ -35,7 +35,7 @@ OLD, NEW = 1.0, 2.0
 
 RESAVE = """
 import sys, torch
-from erlay.actors.learner import checkpoint_commit
+from erlay.actors.learner.checkpoint import commit as checkpoint_commit
 from erlay.actors.learner.checkpoint import AsyncCheckpointer
 if sys.argv[2] == "fallback":
     checkpoint_commit._renameat2 = None  # as on a system without RENAME_EXCHANGE

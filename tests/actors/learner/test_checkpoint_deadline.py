@@ -39,8 +39,8 @@ from erlay.actors.learner.checkpoint import (
     latest,
     load,
 )
-from erlay.actors.learner.checkpoint_format import write_checkpoint_dir
-from erlay.actors.learner.checkpoint_worker import ProgressDeadline, WriterSample, writer_sample
+from erlay.actors.learner.checkpoint.format import write_checkpoint_dir
+from erlay.actors.learner.checkpoint.worker import ProgressDeadline, WriterSample, writer_sample
 from erlay.supervisor import failpoints
 from tests.conftest import wait_for
 
@@ -293,7 +293,7 @@ def test_a_sharded_save_whose_writer_is_stopped_fails_and_the_next_commits(
         tmp_path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+    from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer
 
     made = ensure_process_group()
     pid = None
@@ -330,7 +330,7 @@ def test_a_sharded_rank_shutting_down_mid_save_kills_its_stopped_writer(
         tmp_path: Path) -> None:
     """abandon(), what a rank's shutdown does with a save in flight (peers are not waited
     for): the writer, stopped mid-save, does not outlive it."""
-    from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+    from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer
 
     made = ensure_process_group()
     pid = None

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from erlay.actors.learner.checkpoint import AsyncCheckpointer, latest, list_checkpoints, load
-from erlay.actors.learner.checkpoint_format import write_checkpoint_dir
+from erlay.actors.learner.checkpoint.format import write_checkpoint_dir
 from erlay.supervisor import failpoints
 from tests.paths import REPO
 

@@ -23,8 +23,8 @@ from erlay.actors.learner.checkpoint import (
     list_checkpoints,
     load,
 )
+from erlay.actors.learner.checkpoint.snapshot import CHUNK_BYTES
 from erlay.actors.learner.rank import Learner
-from erlay.actors.learner.snapshot import CHUNK_BYTES
 from erlay.supervisor import failpoints
 from tests.actors.learner.test_checkpoint import assert_same
 from tests.actors.learner.test_core import MODEL, arithmetic_batch

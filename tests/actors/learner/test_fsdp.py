@@ -211,7 +211,7 @@ def test_a_sharded_checkpoint_restarts_two_ranks_and_reshards_onto_one(
     (the coordinator asks rank 0 alone), refuse a step past it (the coordinator then feeds
     the steps since it again), and retrain to the same weights; on one rank it reshards and
     trains the same step.  The second batch leaves rank 1 nothing to train (idle pass)."""
-    from erlay.actors.learner.checkpoint_format import SHARDED, latest
+    from erlay.actors.learner.checkpoint.format import SHARDED, latest
     vocab = vocab_of(spec)
     batches = [parity_batch(vocab, seed=1), parity_batch(vocab, seed=2, idle_rows=(2, 3))]
     root = tmp_path / "checkpoints"

@@ -25,7 +25,7 @@ from torch import distributed as dist
 from erlay.actors.config import load_config
 from erlay.actors.job.export import ExportError, export_run
 from erlay.actors.learner.checkpoint import ensure_process_group
-from erlay.actors.learner.checkpoint_format import (
+from erlay.actors.learner.checkpoint.format import (
     SHARDED,
     CheckpointInvalid,
     latest,
@@ -34,7 +34,7 @@ from erlay.actors.learner.checkpoint_format import (
     verify_files,
     write_checkpoint_dir,
 )
-from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer, load_sharded
+from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer, load_sharded
 from erlay.actors.model.tiny import write_tiny_model
 from tests.actors.job.hf_runs import SHAPE
 from tests.paths import REPO

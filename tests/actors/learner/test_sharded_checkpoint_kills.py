@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from erlay.actors.learner.checkpoint_format import (
+from erlay.actors.learner.checkpoint.format import (
     SHARDED,
     latest,
     list_checkpoints,
@@ -33,8 +33,8 @@ from erlay.actors.learner.checkpoint_format import (
     verify_files,
     write_checkpoint_dir,
 )
-from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
-from erlay.actors.learner.sharded_load import load_full_model
+from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer
+from erlay.actors.learner.checkpoint.sharded_load import load_full_model
 from erlay.supervisor import failpoints
 from tests.actors.learner.test_sharded_checkpoint import free_port
 from tests.paths import REPO
@@ -47,7 +47,7 @@ TRAINER = """
 import os, sys, torch
 from torch import distributed as dist
 from erlay.actors.learner.checkpoint import CheckpointSaveFailed
-from erlay.actors.learner.sharded_checkpoint import ShardedCheckpointer
+from erlay.actors.learner.checkpoint.sharded import ShardedCheckpointer
 root, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 os.environ.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -12,7 +12,7 @@ Contracts:
   ``state.pt`` (``torch.save``, fsynced), then the manifest (sizes, sha256, ``extra``,
   fsynced), then fsyncs the directory.  Only the trainer, when it finalizes a finished save,
   commits the directory into place and fsyncs ``root``
-  (:mod:`~erlay.actors.learner.checkpoint_commit`).  A crash at any point leaves either the
+  (:mod:`~erlay.actors.learner.checkpoint.commit`).  A crash at any point leaves either the
   old set of checkpoints or the old set plus the new one, never a half-written ``step-*``;
   leftover ``.tmp-*`` directories are ignored, and removed when the next checkpointer starts
   on that root.
@@ -25,14 +25,14 @@ Contracts:
 - **What save() costs the caller, and the barrier.** The worker is another process, so
   tensors reach it through one reusable shared-memory staging buffer.
   :meth:`~AsyncCheckpointer.save` hands the state to a background
-  :class:`~erlay.actors.learner.snapshot.Snapshot` and returns; on its own thread the
+  :class:`~erlay.actors.learner.checkpoint.snapshot.Snapshot` and returns; on its own thread the
   snapshot walks the state, copies its tensors into the buffer and only then queues the
   request for the worker.  The caller may read the state's tensors at once, and drop or
   replace them, but must modify neither them (in place) nor the state's containers before
   :meth:`~AsyncCheckpointer.wait_snapshot` returns; :meth:`~AsyncCheckpointer.guard` makes
   an optimizer's ``step()`` wait there, so the copy overlaps the next step's forward and
   backward passes.  A tensor modified while it is copied fails the save
-  (:mod:`~erlay.actors.learner.snapshot`), it is never written torn.  The exposed time is
+  (:mod:`~erlay.actors.learner.checkpoint.snapshot`), it is never written torn.  The exposed time is
   save()'s return plus any wait at the barrier.  A caller that holds a lock may pass live
   views (``model.state_dict()``) and skip its own copy.  Tensors on an accelerator are
   copied to host memory by the snapshot.  The buffer holds one state's worth of shared
@@ -50,7 +50,7 @@ Contracts:
   ``deadline_s`` (SIGSTOPped, in D state on a hung filesystem, blocked) is killed and the
   save fails with a reason that names the deadline; its ``.tmp-`` directory is removed, the
   previous committed checkpoint stays, and the next save starts a new worker.  Progress is
-  measured from the worker's own counters (:mod:`~erlay.actors.learner.checkpoint_worker`),
+  measured from the worker's own counters (:mod:`~erlay.actors.learner.checkpoint.worker`),
   at each poll and every 50 ms of a wait, so nothing that waits for a save (a save behind
   it, wait(), close()) waits on a stuck worker much past its deadline.  close() stops an
   idle worker politely for at most a few seconds (never more than the deadline), then
@@ -63,6 +63,13 @@ The library wants a ``torch.distributed`` group (it asks for the rank).  The fir
 :func:`ensure_process_group`, which makes a one-process gloo group only when none exists.  A
 multi-rank learner must therefore form its own group before its first save (LearnerCore
 forms it at the first collective, so: before any train step, do not save).
+
+The room: this module is the replicated learner's checkpointer and the retention; the on-disk
+format and verification are :mod:`.format`, the atomic commit :mod:`.commit`, the copy into
+shared memory :mod:`.snapshot`, the worker's calls :mod:`.worker`, sharded (fsdp2) saves and
+loads :mod:`.sharded` and :mod:`.sharded_load`.
+
+May import: erlay.supervisor, erlay.actors.model, erlay.actors.learner.
 """
 
 from __future__ import annotations
@@ -85,8 +92,8 @@ import torch
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
 from torch import distributed as dist
 
-from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root, retire
-from erlay.actors.learner.checkpoint_format import (
+from erlay.actors.learner.checkpoint.commit import commit_dir, recover_root, retire
+from erlay.actors.learner.checkpoint.format import (
     TMP_PREFIX,
     CheckpointInfo,
     CheckpointInvalid,
@@ -97,14 +104,14 @@ from erlay.actors.learner.checkpoint_format import (
     step_dir_name,
     write_checkpoint_dir,
 )
-from erlay.actors.learner.checkpoint_worker import (
+from erlay.actors.learner.checkpoint.snapshot import Copier, Snapshot, StagingBuffer, unstage
+from erlay.actors.learner.checkpoint.worker import (
     ProgressDeadline,
     kill_worker,
     release_queues,
     stop_worker,
     why_lost,
 )
-from erlay.actors.learner.snapshot import Copier, Snapshot, StagingBuffer, unstage
 from erlay.supervisor import failpoints
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.failpoints import FailpointError
@@ -272,7 +279,7 @@ class AsyncCheckpointer:
 
     See the module docstring for the contracts.  Methods are meant for one thread (the
     training loop).  Construction puts ``root`` back in order after a crash
-    (:func:`~erlay.actors.learner.checkpoint_commit.recover_root`: leftovers removed, an
+    (:func:`~erlay.actors.learner.checkpoint.commit.recover_root`: leftovers removed, an
     interrupted re-save's old checkpoint renamed back), so only one checkpointer may use a
     root at a time.  ``deadline_s`` is the write's progress deadline (``checkpoint.deadline_s``).
     """

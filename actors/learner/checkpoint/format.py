@@ -5,14 +5,14 @@ background worker and commits directories into place.
 A checkpoint is a directory ``root/step-XXXXXXXX`` holding ``state.pt`` (``torch.save`` of
 the state) and ``manifest.json``: format, step, creation time, each file's size and sha256,
 and ``extra`` (small JSON metadata such as a journal snapshot name).  A *sharded* checkpoint
-(:mod:`erlay.actors.learner.sharded_checkpoint`) has the same manifest plus ``"layout":
+(:mod:`erlay.actors.learner.checkpoint.sharded`) has the same manifest plus ``"layout":
 "sharded"`` and the ``world_size`` it was saved with, and holds a ``torch.distributed.checkpoint``
 directory (``.metadata`` and one ``__<rank>_0.distcp`` file per rank) and one ``rank-XXXXX.pt``
 per rank instead of ``state.pt``; :func:`list_checkpoints` and :func:`latest` see both layouts,
 :func:`load` reads only the replicated one.  It is complete exactly
 when the manifest is valid, names the directory's step, and every file it lists exists with
 the recorded size.  Directories are written under a ``.tmp-`` name and renamed into place
-only once complete (:mod:`erlay.actors.learner.checkpoint_commit`).  A reader needs to know
+only once complete (:mod:`erlay.actors.learner.checkpoint.commit`).  A reader needs to know
 one thing about writers: where a re-save cannot swap directories atomically, the old
 checkpoint is renamed aside to ``.old-step-XXXXXXXX-<nonce>`` for a moment, and while
 ``step-XXXXXXXX`` is missing that aside *is* the step's checkpoint.
@@ -182,7 +182,7 @@ def load(path: Path, *, verify: bool = True) -> tuple[dict[str, Any], dict[str, 
     if manifest.get("layout", REPLICATED) == SHARDED:
         raise CheckpointInvalid(path, f"it is a sharded checkpoint (saved on "
                                       f"{manifest.get('world_size')} ranks); load it with "
-                                      f"erlay.actors.learner.sharded_checkpoint.load_sharded")
+                                      f"erlay.actors.learner.checkpoint.sharded.load_sharded")
     if verify:
         verify_files(path, manifest)
     # weights_only: a checkpoint is data; loading one must not run code.

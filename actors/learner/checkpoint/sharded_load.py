@@ -1,4 +1,4 @@
-"""Reading sharded checkpoints (:mod:`erlay.actors.learner.sharded_checkpoint` writes them):
+"""Reading sharded checkpoints (:mod:`erlay.actors.learner.checkpoint.sharded` writes them):
 into a sharded learner on any rank count (:func:`load_sharded`), or whole into one process
 without a process group (:func:`load_full_model`, what ``erlay export`` uses).
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import distributed as dist
 
-from erlay.actors.learner.checkpoint_format import (
+from erlay.actors.learner.checkpoint.format import (
     REPLICATED,
     CheckpointInvalid,
     read_manifest,

@@ -24,7 +24,7 @@ nvidia-resiliency-ext's persistent checkpoint worker, one per rank, with the cra
    plans the save (a gather and a scatter over that group) on the first two saves and after
    a layout change, and otherwise NVRx's plan cache (``CheckpointMetadataCache``) reuses the
    plan without a collective.  NVRx's ``FileSystemWriterAsync`` turns the plan into this
-   rank's write bucket, and a background :class:`~erlay.actors.learner.snapshot.Snapshot`
+   rank's write bucket, and a background :class:`~erlay.actors.learner.checkpoint.snapshot.Snapshot`
    copies the bucket's tensors into a shared-memory staging buffer, then queues the write for
    the rank's persistent worker (``AsyncCallsQueue(persistent=True)``).  save() returns
    after planning.
@@ -38,8 +38,8 @@ nvidia-resiliency-ext's persistent checkpoint worker, one per rank, with the cra
    failed) the results are gathered to rank 0, which writes DCP's ``.metadata`` (fsynced),
    then ``manifest.json`` (files, sizes, sha256, ``extra``, ``"layout": "sharded"``,
    ``world_size``; failpoint ``learner.checkpoint_manifest`` just before), fsyncs the
-   directory and commits it with :func:`~erlay.actors.learner.checkpoint_commit.commit_dir`,
-   then keeps the newest ``keep`` (:func:`~erlay.actors.learner.checkpoint_commit.retire`).
+   directory and commits it with :func:`~erlay.actors.learner.checkpoint.commit.commit_dir`,
+   then keeps the newest ``keep`` (:func:`~erlay.actors.learner.checkpoint.commit.retire`).
    Rank 0 broadcasts the outcome, so every rank returns the same steps or raises the same
    :class:`~erlay.actors.learner.checkpoint.CheckpointSaveFailed`.
 
@@ -51,7 +51,7 @@ directories are ignored by readers and removed when the next checkpointer starts
 **Why a gloo group of its own.** The save's collectives (nonce, plan, done-agreement, result
 gather, outcome) run on the training thread, at save() and poll(), interleaved with training
 collectives; a dedicated gloo group keeps them on the CPU (the default group may be NCCL) and
-out of the training group's sequence (:func:`~erlay.actors.learner.sharded_load.
+out of the training group's sequence (:func:`~erlay.actors.learner.checkpoint.sharded_load.
 checkpoint_group`).  Nothing runs collectives from a background thread.
 
 **The barrier.** As with the replicated checkpointer: after save() returns, modify neither
@@ -68,7 +68,7 @@ directory.  A *worker* that dies fails the save on every rank at the next agreem
 save starts a new worker.
 
 **A worker that makes no progress** on its rank's part for ``deadline_s`` (SIGSTOPped, in D
-state, blocked: measured from its own counters, :mod:`~erlay.actors.learner.checkpoint_worker`)
+state, blocked: measured from its own counters, :mod:`~erlay.actors.learner.checkpoint.worker`)
 is killed by its rank, which then votes the save failed: every rank raises the same
 :class:`~erlay.actors.learner.checkpoint.CheckpointSaveFailed` at that agreement, rank 0
 removes the ``.tmp-`` directory, and the next save starts a new worker on that rank.  So no
@@ -115,8 +115,8 @@ from erlay.actors.learner.checkpoint import (
     _exit_with_parent,
     ensure_process_group,
 )
-from erlay.actors.learner.checkpoint_commit import commit_dir, recover_root, retire
-from erlay.actors.learner.checkpoint_format import (
+from erlay.actors.learner.checkpoint.commit import commit_dir, recover_root, retire
+from erlay.actors.learner.checkpoint.format import (
     CHECKPOINT_FORMAT,
     DCP_METADATA,
     MANIFEST,
@@ -127,21 +127,21 @@ from erlay.actors.learner.checkpoint_format import (
     sha256_of,
     step_dir_name,
 )
-from erlay.actors.learner.checkpoint_worker import (
-    ProgressDeadline,
-    kill_worker,
-    release_queues,
-    stop_worker,
-    why_lost,
-)
-from erlay.actors.learner.sharded_load import (
+from erlay.actors.learner.checkpoint.sharded_load import (
     DCP_KEYS,
     checkpoint_group,
     forget_groups,
     load_sharded,
     rank_file,
 )
-from erlay.actors.learner.snapshot import Copier, Snapshot, StagingBuffer, unstage
+from erlay.actors.learner.checkpoint.snapshot import Copier, Snapshot, StagingBuffer, unstage
+from erlay.actors.learner.checkpoint.worker import (
+    ProgressDeadline,
+    kill_worker,
+    release_queues,
+    stop_worker,
+    why_lost,
+)
 from erlay.supervisor.failpoints import FailpointError, failpoint
 
 __all__ = ["CheckpointSaveFailed", "ShardedCheckpointer", "load_sharded"]
@@ -287,7 +287,7 @@ class ShardedCheckpointer:
     ``keep``.  Collective: every rank of the default process group makes one on the same
     ``root`` (a directory all ranks share), and calls save(), poll(), wait() and close() at
     the same points.  Construction is not collective: rank 0 puts ``root`` back in order
-    after a crash (:func:`~erlay.actors.learner.checkpoint_commit.recover_root`), so only one
+    after a crash (:func:`~erlay.actors.learner.checkpoint.commit.recover_root`), so only one
     job may use a root at a time.  ``timeout_s`` bounds every checkpoint collective (a rank
     that died mid-save); ``deadline_s`` is each rank's write's progress deadline
     (``checkpoint.deadline_s``)."""

@@ -5,7 +5,7 @@ finalizes and :func:`recover_root` when a checkpointer starts.
 The invariant: **once a step has a complete checkpoint, it has one at every instant**, under
 its final name ``step-XXXXXXXX`` or, for a moment on the fallback path below, under an aside
 name ``.old-step-XXXXXXXX-<nonce>`` that every reader takes for it while the final name is
-missing (:func:`~erlay.actors.learner.checkpoint_format.list_checkpoints`).  A crash at any
+missing (:func:`~erlay.actors.learner.checkpoint.format.list_checkpoints`).  A crash at any
 point of a commit therefore leaves the old checkpoint of that step or the new one, never
 neither and never a half-written one.
 
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from erlay.actors.learner.checkpoint_format import (
+from erlay.actors.learner.checkpoint.format import (
     RETIRED_PREFIX,
     TMP_PREFIX,
     CheckpointInvalid,

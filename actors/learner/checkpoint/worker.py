@@ -2,7 +2,7 @@
 killing the worker without ever waiting on it for ever.
 
 Both checkpointers (:mod:`erlay.actors.learner.checkpoint`,
-:mod:`erlay.actors.learner.sharded_checkpoint`) write in nvidia-resiliency-ext's persistent
+:mod:`erlay.actors.learner.checkpoint.sharded`) write in nvidia-resiliency-ext's persistent
 worker process.  A worker that is SIGSTOPped, stuck in uninterruptible I/O (D state) on a
 hung filesystem, or blocked for any other reason still counts as alive, so waiting for it
 alone would hang the learner.  This module holds what the checkpointers need to give up on
