@@ -3,7 +3,7 @@ rank and on 2, and the equivalence of the sharded step with one whole learner's.
 
 A random-initialised Llama-architecture HF model (``--hidden``, ``--layers``, ``--ffn``; a few
 million parameters by default) is written to a temporary directory.  Each fsdp2 rank is its
-own process in a gloo group on loopback (:func:`erlay.actors.learner.fsdp_parity.spawn_ranks`);
+own process in a gloo group on loopback (`spawn_ranks` in `bench/fsdp_parity.py`);
 each takes one GRPO train step (fp32, AdamW) on the same deterministic batch.  Measured after
 that optimizer step, from the rank's local shards (``DTensor.to_local()``;
 :func:`erlay.actors.learner.fsdp.local_bytes`):
@@ -15,7 +15,7 @@ that optimizer step, from the rank's local shards (``DTensor.to_local()``;
 
 The table (not the JSON line) also shows the start-up peak of parameter bytes on a rank's
 device, 2 ranks, accounted from FSDP2's placement rule
-(:func:`erlay.actors.learner.fsdp_parity.fsdp_rank_startup`; on this CPU the device is the
+(`fsdp_rank_startup` in `bench/fsdp_parity.py`; on this CPU the device is the
 host, so it is not a memory measurement): built on the host, the device holds the shards
 made so far plus one unit (a block, or the root) whole; built on the device (before), the
 whole model from the constructor on, plus the shards.
@@ -26,8 +26,8 @@ gather of one block's parameters during its forward and backward passes.
 
 ``equivalent``: the 2-rank step against one whole, replicated learner's step on the same
 batch: every parameter's max abs difference <= 1e-5, and the pre-clip gradient norms equal to
-1e-5 relative, at learning rate 1e-4 (why: :mod:`erlay.actors.learner.fsdp_parity`;
-:func:`~erlay.actors.learner.fsdp_parity.run_parity`).  ``--perturb EPS`` plants a drift (the
+1e-5 relative, at learning rate 1e-4 (why: `bench/fsdp_parity.py`;
+`run_parity` there).  ``--perturb EPS`` plants a drift (the
 last rank adds EPS to its weights before the step), which must make it false.
 
 Prints a table, then one JSON object as the last line:
@@ -43,10 +43,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
-from erlay.actors.learner.fsdp_parity import (
+from erlay.actors.model.tiny import write_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fsdp_parity import (  # bench/ is on sys.path when run as a script
     fsdp_rank_startup,
     fsdp_rank_step,
     parity_batch,
@@ -54,7 +59,6 @@ from erlay.actors.learner.fsdp_parity import (
     spawn_ranks,
     vocab_of,
 )
-from erlay.actors.model.tiny import write_tiny_model
 
 KEYS = ("param_bytes", "grad_bytes", "optim_bytes")
 

@@ -3,8 +3,8 @@
 - :mod:`.grpo`: GRPO's arithmetic as pure torch functions;
 - :mod:`.batch`: :class:`TrainBatch` and the batch arithmetic (schedule, staleness, shards);
 - :mod:`.core`: :class:`LearnerCore`, the learner's state and update rules, without Ray;
-- :mod:`.fsdp`: ``backend: fsdp2``, the policy sharded with FSDP2 over the ranks;
-  :mod:`.fsdp_parity`: the check that the sharded step equals one whole learner's;
+- :mod:`.fsdp`: ``backend: fsdp2``, the policy sharded with FSDP2 over the ranks (the check
+  that the sharded step equals one whole learner's is a harness, ``bench/fsdp_parity.py``);
 - :mod:`.rank`: :class:`Learner`, a rank as a supervised actor child (weights through the
   Ray object store);
 - :mod:`.checkpoint`: the checkpoint room: async checkpoints on nvidia-resiliency-ext's

@@ -12,14 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from erlay.actors.learner.core import LearnerCore
-from erlay.actors.learner.fsdp import (
-    decoder_layers,
-    optimizer_by_index,
-    optimizer_by_name,
-    trainable_names,
-)
-from erlay.actors.learner.fsdp_parity import (
+from bench.fsdp_parity import (
     TOLERANCE,
     free_port,
     fsdp_rank_resume,
@@ -28,6 +21,13 @@ from erlay.actors.learner.fsdp_parity import (
     run_parity,
     spawn_ranks,
     vocab_of,
+)
+from erlay.actors.learner.core import LearnerCore
+from erlay.actors.learner.fsdp import (
+    decoder_layers,
+    optimizer_by_index,
+    optimizer_by_name,
+    trainable_names,
 )
 from erlay.actors.model.tiny import write_tiny_model
 
