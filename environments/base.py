@@ -32,6 +32,16 @@ Contracts every environment keeps:
 
 A new environment is one class implementing :class:`Environment`, referenced from the job
 config as ``"module:Class"`` and built by :func:`load_environment`; no edit to erlay.
+
+Example, the built-in arithmetic environment: a malformed answer ends the episode with
+reward 0 and says why, it never raises::
+
+    >>> from erlay.environments.arithmetic import ArithmeticEnv
+    >>> env = ArithmeticEnv()
+    >>> episode = env.reset(0, 1)
+    >>> episode, result = env.step(episode, "banana")
+    >>> result.done, result.reward, result.failure
+    (True, 0.0, 'malformed answer')
 """
 
 from __future__ import annotations

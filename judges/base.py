@@ -5,6 +5,12 @@ keeps: when it *could not decide* (it timed out, crashed, or the sandbox could n
 code) it says so with ``ok=False`` and a reason.  Such a sample is marked and left out of
 training; it is never silently scored 0.0, which would teach the policy that a correct
 answer was wrong.  ``ok=True`` with reward 0.0 means the judge decided the answer is wrong.
+
+Example, the default math judge (math-verify underneath)::
+
+    >>> from erlay.judges.math import MathJudge
+    >>> MathJudge().score(r"The answer is \\boxed{4}", "4")
+    Judgement(reward=1.0, ok=True, reason='correct', kind='')
 """
 
 from __future__ import annotations

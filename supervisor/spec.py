@@ -20,6 +20,18 @@ Deviations from OTP, all deliberate:
   moved elsewhere (an engine's rollouts, failing over) does not compete with its replacement's
   start-up.  The restart is counted toward the intensity at the exit, as in OTP.  Only under
   one_for_one and simple_one_for_one, which restart the child alone.
+
+Example: a spec is data, checked when made, before anything starts::
+
+    >>> flags = SupervisorFlags("one_for_all", intensity=3, period=10)
+    >>> flags.strategy
+    <Strategy.ONE_FOR_ALL: 'one_for_all'>
+    >>> ChildSpec("engine-0", InProcessStart(dict), restart="transient").restart
+    <Restart.TRANSIENT: 'transient'>
+    >>> SupervisorFlags(intensity=-1)
+    Traceback (most recent call last):
+    ...
+    erlay.supervisor.errors.InvalidSpec: intensity: expected an integer >= 0, got -1
 """
 
 from __future__ import annotations

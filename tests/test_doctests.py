@@ -9,7 +9,11 @@ import importlib
 
 import pytest
 
-MODULES = ["erlay.actors.journal.rollout_id", "erlay.actors.learner.options"]
+# The public API (the supervisor's specs, the environment and judge contracts, the config)
+# and the typed seams' small types.
+MODULES = ["erlay.supervisor.spec", "erlay.environments.base", "erlay.judges.base",
+           "erlay.actors.config", "erlay.actors.journal.rollout_id",
+           "erlay.actors.learner.options"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -11,6 +11,16 @@ judge class that cannot be imported.
 
 Every option is documented on its field; ``configs/reference.yaml`` shows them all.
 
+Example: the defaults with one override, and a typo refused by name (the message goes on:
+"(given 3); did you mean 'steps'?")::
+
+    >>> load_config(None, ["run.steps=3"]).run.steps
+    3
+    >>> load_config(None, ["run.stepz=3"])
+    Traceback (most recent call last):
+    ...
+    erlay.actors.config.ConfigError: invalid configuration: run.stepz: unknown key ...
+
 May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges (the default
 plug-ins are named by import path).
 """
