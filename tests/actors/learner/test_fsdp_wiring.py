@@ -60,3 +60,19 @@ def test_megatron_ranks_are_megatron_learners_with_their_sizes(tmp_path: Path) -
     options = learner_options(cfg, 0, rendezvous=None, run_dir=RunDir(tmp_path))
     assert (options.backend, options.tensor_parallel, options.data_parallel) == \
         ("megatron", 2, 1)
+
+
+def test_the_learners_own_defaults_agree_with_the_configs(tmp_path: Path) -> None:
+    """LearnerOptions' defaults (a learner built directly: tests, benchmarks) are the
+    config's: a job with the default config and a learner with default options train
+    alike.  A default changed on one side only fails here, naming it."""
+    from erlay.actors.learner.options import LearnerOptions
+    built = learner_options(load_config(None, []), 0, rendezvous=None, run_dir=RunDir(tmp_path))
+    own = LearnerOptions()
+    shared = ["lr", "weight_decay", "max_grad_norm", "clip_eps", "is_cap", "kl_coef",
+              "lr_decay_steps", "lr_min_ratio", "mtp_loss_weight", "minibatches",
+              "torch_threads", "device", "backend", "fsdp_cpu_offload",
+              "fsdp_reshard_after_forward", "tensor_parallel", "pipeline_parallel"]
+    differ = [f"{n}: config {getattr(built, n)!r}, options {getattr(own, n)!r}"
+              for n in shared if getattr(built, n) != getattr(own, n)]
+    assert not differ, differ
