@@ -90,7 +90,8 @@ class ChaosCommand:
 class VerifyCommand:
     """``erlay verify RUN_DIR [--json]``: the record invariants of any run directory, from
     its durable files (:mod:`erlay.chaos.verify`).  0: every applicable invariant holds; 1:
-    one fails or cannot be checked; 2: not a run directory."""
+    one fails or cannot be checked (a corrupt or missing journal, say); 2: not a run
+    directory, or its config.yaml's rollout or supervision section is invalid."""
 
     name: str = "verify"
     help: str = ("check a run directory's records: every rollout trained exactly once, none "
@@ -105,17 +106,14 @@ class VerifyCommand:
     def run(self, args: argparse.Namespace) -> int:
         import json
 
-        from erlay.actors.journal.format import JournalCorrupt
-        from erlay.chaos.evidence import NotARunDir, OlderJournal
+        from erlay.actors.config import ConfigError
+        from erlay.chaos.evidence import NotARunDir
         from erlay.chaos.verify import render, verify
         try:
             result = verify(args.run_dir)
-        except NotARunDir as exc:
+        except (NotARunDir, ConfigError) as exc:
             print(f"erlay: {exc}", file=sys.stderr)
             return 2
-        except (JournalCorrupt, OlderJournal) as exc:
-            print(f"erlay: verify {args.run_dir}: FAIL: {exc}", file=sys.stderr)
-            return 1
         if args.json:
             print(json.dumps(result.to_dict()))
         else:

@@ -6,8 +6,11 @@ it, opened read-only), the learner's ledger, the committed checkpoints with thei
 ``events.jsonl``, ``metrics.jsonl``, ``config.yaml`` and ``summary.md``.  A run may still be
 writing them: a torn last line or a torn journal tail is what was past the last write, and
 goes into ``notes``; a file the run deletes while it is read (journal retention, checkpoint
-retention) is read again.  Nothing here judges (:mod:`erlay.chaos.invariants` does) and
-nothing is modified.
+retention) is read again.  Damaged evidence (a corrupt journal or ledger) never raises here:
+the observation says what is wrong, and the invariants that need it fail saying so.  Only
+the two config sections the invariants read are validated (``rollout`` and
+``supervision``), so a run verifies on a machine without its plug-ins.  Nothing here judges
+(:mod:`erlay.chaos.invariants` does) and nothing is modified.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
-from erlay.actors.config import JobConfig, load_config
+import yaml
+from pydantic import ValidationError
+
+from erlay.actors.config import ConfigError, JobConfig, RolloutSection, SupervisionSection
 from erlay.actors.journal.format import (
     SEGMENT_FILE,
     JournalCorrupt,
@@ -44,14 +51,11 @@ from erlay.supervisor.events import read_events
 DOMAINS = ("learner", "generation", "sandbox", "judge", "environment", "rollout")
 _STATUS = re.compile(r"^- status: \*\*(\w+)\*\*", re.MULTILINE)
 _READ_TRIES = 3   # a live run may delete what was listed a moment before (retention)
+S = TypeVar("S", RolloutSection, SupervisionSection)
 
 
 class NotARunDir(ValueError):
     """The path is not an erlay run directory (no ``config.yaml``)."""
-
-
-class OlderJournal(ValueError):
-    """The run's journal snapshot predates what verification needs: it cannot be checked."""
 
 
 @dataclass(frozen=True)
@@ -128,20 +132,58 @@ def run_status(run_dir: RunDir) -> str:
     return status if status in ("finished", "failed") else "unended"
 
 
+def run_settings(config: Path) -> tuple[RolloutSection, SupervisionSection]:
+    """The two sections of a run's ``config.yaml`` the invariants read (the staleness bound,
+    the restart intensities), validated alone: the rest (plug-in classes, model and data
+    paths) need not resolve on the machine that verifies.  Raises :class:`ConfigError`."""
+    try:
+        data = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{config}: not readable YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{config}: expected a mapping of sections")
+    return (_section(config, data, "rollout", RolloutSection),
+            _section(config, data, "supervision", SupervisionSection))
+
+
+def _section(config: Path, data: dict[str, Any], name: str, model: type[S]) -> S:
+    try:
+        return model.model_validate(data.get(name) or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join([name, *(str(p) for p in first["loc"])])
+        raise ConfigError(f"{config}: {where}: {first['msg']}") from None
+
+
+def _journal_evidence(directory: Path) -> tuple[JournalEvidence | None, str | None]:
+    """The journal, or None and why it cannot be used."""
+    try:
+        journal = read_journal(directory)
+    except JournalCorrupt as exc:
+        return None, str(exc)
+    if journal is None:
+        return None, "the run has no journal"
+    if not journal.state.complete:
+        return None, (f"{directory} was written by an erlay that did not keep every "
+                      "consumption and transition count in its snapshots")
+    return journal, None
+
+
 def observe_dir(path: Path | str, cfg: JobConfig | None = None) -> RunObservation:
-    """The durable evidence of the run directory ``path``.  ``cfg`` defaults to the run's
-    own ``config.yaml``.  Raises :class:`NotARunDir`, :class:`OlderJournal`, and
-    :class:`JournalCorrupt` for a journal damaged beyond what a crash leaves."""
+    """The durable evidence of the run directory ``path``.  The staleness bound and restart
+    intensities come from ``cfg`` when given, else from the run's own ``config.yaml``
+    (:func:`run_settings`).  Raises :class:`NotARunDir`, and :class:`ConfigError` for a
+    ``config.yaml`` whose ``rollout`` or ``supervision`` section is invalid."""
     path = Path(path)
     if not (path / "config.yaml").is_file():
         raise NotARunDir(f"{path} is not an erlay run directory (no config.yaml)")
     run_dir = RunDir(path)
-    cfg = cfg or load_config(run_dir.config, [])
+    rollout, sup = (cfg.rollout, cfg.supervision) if cfg else run_settings(run_dir.config)
     notes = [n for p in (run_dir.metrics, run_dir.events, run_dir.ledger)
              if (n := _torn(p)) is not None]
     events = read_events(run_dir.events) if run_dir.events.exists() else []
     metrics = run_dir.read_metrics()
-    journal = read_journal(run_dir.journal)
+    journal, journal_problem = _journal_evidence(run_dir.journal)
     consumed: list[tuple[str, int]] = []
     dispatched: set[str] = set()
     tools: list[tuple[str, str, object]] = []
@@ -160,14 +202,9 @@ def observe_dir(path: Path | str, cfg: JobConfig | None = None) -> RunObservatio
                               str(t.data.get("key")), t.data.get("result")))
             elif t.kind is TransitionKind.JUDGED:
                 judged.append((str(t.data.get("key")), t.data.get("judgement")))
-        if not state.complete:
-            raise OlderJournal(f"{run_dir.journal} was written by an erlay that did not keep "
-                               "every consumption and transition count in its snapshots; "
-                               "it cannot be verified")
         if journal.report.truncated_bytes:
             notes.append(f"journal: {journal.report.truncated_bytes} byte(s) past the last "
                          f"whole record of {journal.report.truncated_segment} were not read")
-    sup = cfg.supervision
     intensity = {"erlay": (sup.root.intensity, sup.root.period)}
     for domain in DOMAINS:
         flags = getattr(sup, domain)
@@ -177,14 +214,14 @@ def observe_dir(path: Path | str, cfg: JobConfig | None = None) -> RunObservatio
         ledger_problem = None if ledger is not None else "the run has no learner ledger"
     except ValueError as exc:   # a line other than the last is not a record
         ledger, ledger_problem = None, f"the learner ledger is unreadable: {exc}"
-    steps = {m["step"] for m in metrics if m.get("phase") == "rl"}
-    last = {int(m["step"]): m for m in metrics if m.get("phase") == "rl"}
+    last = {int(m["step"]): m for m in metrics if m.get("phase") == "rl"}   # by step
     return RunObservation(
         events=events, metrics=metrics, consumed_transitions=consumed,
         dispatched_ids=dispatched, tool_events=tools, judgements=judged,
-        journal_found=journal is not None, journal_kinds=kinds, journal_anomalies=anomalies,
+        journal_found=journal is not None, journal_problem=journal_problem,
+        journal_kinds=kinds, journal_anomalies=anomalies,
         notes=notes, judge_failed=sum(int(m.get("judge_failed", 0)) for m in last.values()),
         ledger=ledger, ledger_problem=ledger_problem,
         checkpoints=checkpoint_problems(run_dir.checkpoints),
-        steps_trained=len(steps), max_staleness=cfg.rollout.max_staleness,
+        steps_trained=len(last), max_staleness=rollout.max_staleness,
         intensity=intensity, status=run_status(run_dir))

@@ -92,8 +92,9 @@ def no_rollout_lost(obs: RunObservation) -> Verdict:
     if obs.steps_trained <= 0:
         return Verdict(name, True, "no step was trained, so no rollout was due")
     if not obs.dispatched_ids:
+        why = obs.journal_problem or "is the journal missing?"
         return cannot_check(name, f"{obs.steps_trained} steps trained but no dispatched "
-                                  "rollout was recorded (is the journal missing?)")
+                                  f"rollout was recorded ({why})")
     consumed = {rid for rid, _ in obs.consumed_transitions}
     unparseable = sorted(r for r in obs.dispatched_ids if rollout_step(r) is None)
     due = sorted(r for r in obs.dispatched_ids

@@ -62,7 +62,8 @@ class RunObservation:
     """Everything the invariants look at, gathered from one run after it ended.
 
     From the journal on disk (:mod:`erlay.chaos.evidence`: its newest usable snapshot and
-    the segments after it; ``journal_found`` False when the run has none):
+    the segments after it; ``journal_found`` False when it cannot be read, and then
+    ``journal_problem`` says why: none, corrupt, or written before what verifying needs):
 
     - ``consumed_transitions``: ``(rollout_id, step)`` of every CONSUMED transition ever
       recorded, repeats included (a rewind consumes the same rollouts again): the
@@ -104,6 +105,7 @@ class RunObservation:
     tool_events: list[tuple[str, str, Any]] = field(default_factory=list)
     judgements: list[tuple[str, Any]] = field(default_factory=list)
     journal_found: bool = True
+    journal_problem: str | None = None
     journal_kinds: dict[str, int] = field(default_factory=dict)
     journal_anomalies: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -176,7 +178,5 @@ def few(items: Iterable[object], n: int = 5) -> str:
     return text + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
-def rollout_step(rollout_id: str) -> int | None:
-    """The learner step a rollout id was made for (``r00042-g003-1`` -> 42), or None
-    (:class:`erlay.actors.journal.rollout_id.RolloutId`)."""
-    return step_of(rollout_id)
+# The learner step a rollout id was made for (``r00042-g003-1`` -> 42), or None.
+rollout_step = step_of

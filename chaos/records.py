@@ -94,8 +94,8 @@ def exactly_once(obs: RunObservation) -> Verdict:
     steps = _ledger(obs, name)
     if isinstance(steps, Verdict):
         return steps
-    if not obs.journal_found:
-        return cannot_check(name, "the run has no journal")
+    if (missing := _journal(obs, name)) is not None:
+        return missing
     if obs.steps_trained > 0 and not obs.consumed_transitions:
         return cannot_check(name, "the journal recorded no consumed rollout")
     assert obs.ledger is not None   # _ledger returned steps
@@ -183,7 +183,10 @@ def steps_in_order(obs: RunObservation) -> Verdict:
 
 
 def _journal(obs: RunObservation, name: str) -> Verdict | None:
-    return None if obs.journal_found else cannot_check(name, "the run has no journal")
+    """None when the journal was read, else the FAIL verdict saying why it was not."""
+    if obs.journal_found:
+        return None
+    return cannot_check(name, obs.journal_problem or "the run has no journal")
 
 
 def tool_calls_once(obs: RunObservation) -> Verdict:

@@ -77,3 +77,39 @@ def test_a_run_without_a_summary_is_unended_and_still_verifies(tmp_path: Path) -
     run.run_dir.summary.unlink()
     result = verify(run.run_dir.path)
     assert result.observation.status == "unended" and result.ok
+
+
+def test_a_run_verifies_where_its_plug_ins_are_not_installed(tmp_path: Path) -> None:
+    """Only the rollout and supervision sections are read: a config naming an environment
+    this machine cannot import still verifies."""
+    run = write_run(tmp_path, "elsewhere")
+    with open(run.run_dir.config, "a") as f:
+        f.write("environment: {class: 'not_installed_here.envs:Env'}\n")
+    assert verify(run.run_dir.path).ok
+
+
+def test_an_invalid_section_it_reads_is_one_line_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path, "badcfg")
+    with open(run.run_dir.config, "a") as f:
+        f.write("supervision: {learner: {intensity: -1}}\n")
+    assert main(["verify", str(run.run_dir.path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "supervision" in err and "intensity" in err
+
+
+def test_a_corrupt_journal_fails_the_invariants_that_need_it_saying_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every snapshot damaged and the early segments gone (retention): recovery cannot
+    start anywhere, which is corruption a crash cannot explain.  No traceback: the
+    invariants that need the journal fail naming it."""
+    run = write_run(tmp_path, "corrupt")
+    for snap in run.run_dir.journal.glob("snapshot-*.snap"):
+        data = bytearray(snap.read_bytes())
+        data[-1] ^= 0xFF
+        snap.write_bytes(bytes(data))
+    assert main(["verify", str(run.run_dir.path), "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    details = {v["name"]: v["detail"] for v in result["invariants"]}
+    assert {"exactly_once", "tool_calls_once", "judgements_stable"} <= set(result["failed"])
+    assert "journal corrupt" in details["exactly_once"]
