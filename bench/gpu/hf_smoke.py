@@ -79,9 +79,12 @@ def synthetic_batch(core: Any, vocab: int, groups: int, group_size: int, prompt_
     from erlay.actors.learner.core import TrainBatch
     g = torch.Generator(device="cpu").manual_seed(seed)
     n = groups * group_size
-    prompts = torch.randint(3, vocab, (groups, prompt_len), generator=g).tolist()
+    # device="cpu" with the CPU generator: the caller may have set a CUDA default device.
+    prompts = torch.randint(3, vocab, (groups, prompt_len), generator=g,
+                            device="cpu").tolist()
     prompt_ids = [prompts[i // group_size] for i in range(n)]
-    completion_ids = torch.randint(3, vocab, (n, completion_len), generator=g).tolist()
+    completion_ids = torch.randint(3, vocab, (n, completion_len), generator=g,
+                                   device="cpu").tolist()
     rewards = [float(i % 2) for i in range(n)]
     v = core.version()
     return TrainBatch(prompt_ids=prompt_ids, completion_ids=completion_ids,

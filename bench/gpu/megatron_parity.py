@@ -141,7 +141,7 @@ def logits_parity(path: Path, device: str, lengths: tuple[int, ...]) -> dict[str
     shape = mc.megatron_shape(hf32.config)
     full = mc.hf_to_megatron({k: v.detach() for k, v in hf32.state_dict().items()}, shape)
     g = torch.Generator().manual_seed(1)
-    tokens = right_pad([torch.randint(4, shape.vocab_size, (n,), generator=g).tolist()
+    tokens = right_pad([torch.randint(4, shape.vocab_size, (n,), generator=g, device="cpu").tolist()
                         for n in lengths], device=device)
     real = torch.zeros(tokens.shape, dtype=torch.bool, device=device)
     for i, n in enumerate(lengths):
@@ -176,14 +176,16 @@ def grpo_step(path: Path, device: str) -> dict[str, float]:
     hyper = dict(lr=1e-3, max_grad_norm=1e9, seed=0, temperature=1.0)
     megatron = MegatronLearner(spec, device=device, master_port=free_port(), **hyper)
     core = LearnerCore(spec, device=device, **hyper)
+    # LearnerCore sets a CUDA default device: the CPU generator needs device="cpu" below.
     g = torch.Generator(device="cpu").manual_seed(2)
     groups, size, vocab = 4, 4, megatron.shape.vocab_size
-    prompts = torch.randint(4, vocab, (groups, 24), generator=g).tolist()
+    prompts = torch.randint(4, vocab, (groups, 24), generator=g, device="cpu").tolist()
     prompt_ids = [prompts[i // size] for i in range(groups * size)]
-    completion_ids = [torch.randint(4, vocab, (16 + i % 5,), generator=g).tolist()
+    completion_ids = [torch.randint(4, vocab, (16 + i % 5,), generator=g, device="cpu").tolist()
                       for i in range(groups * size)]
     scored = core.evaluate_logprobs(prompt_ids, completion_ids)
-    noise = [(torch.randn(len(c), generator=g) * 0.3).tolist() for c in completion_ids]
+    noise = [(torch.randn(len(c), generator=g, device="cpu") * 0.3).tolist()
+             for c in completion_ids]
     batch = TrainBatch(prompt_ids=prompt_ids, completion_ids=completion_ids,
                        behaviour_logprobs=[[a + b for a, b in zip(s, n, strict=True)]
                                            for s, n in zip(scored, noise, strict=True)],
