@@ -11,6 +11,7 @@ Rooms, each a subpackage with one responsibility (lower rooms never import highe
 - :mod:`erlay.actors.engine`: the generation engine protocol and its torch and vLLM backends;
 - :mod:`erlay.actors.learner`: the GRPO learner, its rank actor and its checkpoints;
 - :mod:`erlay.actors.observe`: telemetry, Ray metrics, ``erlay status`` and ``erlay report``;
+- :mod:`erlay.actors.control`: the goodput controller's decisions, state and adaptive limits;
 - :mod:`erlay.actors.job`: the coordinator, rollouts, domain clients and the job's tree;
 - :mod:`erlay.actors.commands`: the ``run``, ``journal``, ``status`` and ``report``
   subcommands, registered through the ``erlay.commands`` entry points.

@@ -35,6 +35,8 @@ FAILPOINT_HOMES = {
     "generation.decode_step": "erlay/generation/engine-*",
     "generation.weight_update": "erlay/generation/engine-*",
     "sandbox.exec": "erlay/sandbox/host@*",
+    "sandbox.user_code": "erlay/sandbox/host@*",
+    "generation.long_tail": "erlay/generation/engine-*",
     # The judge's and the environment's code runs in worker processes of their hosts: a
     # host armed arms its workers (erlay.supervisor.host.NodeHost.erlay_failpoints_changed).
     "judge.score": "erlay/judge/host@*",

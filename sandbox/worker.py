@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import logging
 from typing import Any
@@ -40,16 +41,21 @@ from erlay.sandbox.limits import SandboxLimits
 from erlay.sandbox.results import Outcome, SandboxRequest, SandboxResult
 from erlay.sandbox.runner import run_in_sandbox
 from erlay.supervisor import telemetry
-from erlay.supervisor.failpoints import afailpoint
+from erlay.supervisor.failpoints import afailpoint, failpoint
 from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.sandbox")
 
 PHASE = "tool_call"
+# What failpoint sandbox.user_code runs in place of the tool code: a program that hangs
+# until the run's wall deadline kills it, as model-written code stuck in a wait does.
+HANGING_CODE = "import time\nwhile True:\n    time.sleep(1)\n"
 
 
 def _fingerprint(request: SandboxRequest) -> str:
-    text = f"{request.code}\0{request.stdin}\0{request.timeout_s}"
+    # The deadline is not part of what the request asks: a retry of one key may carry
+    # another (the goodput controller adapts it), and is still the same request.
+    text = f"{request.code}\0{request.stdin}"
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
 
 
@@ -137,6 +143,8 @@ class SandboxWorker:
                                            False, False, 0.0, "none",
                                            "failpoint sandbox.exec: the run did not start")
                 else:
+                    if failpoint("sandbox.user_code"):   # chaos: the tool code hangs
+                        req = dataclasses.replace(req, code=HANGING_CODE)
                     result = await run_in_sandbox(req, self.limits, slot=self.slot)
         finally:
             del self._in_flight[req.key]

@@ -40,12 +40,15 @@ class EventKind(enum.Enum):
                                        # or killed it (erlay.supervisor.worker_process)
     SAVE_FAILED = "save_failed"        # a child's checkpoint save was given up (its writer
                                        # made no progress, or failed); the child runs on
+    CONTROL = "control"                # the goodput controller acted (routed, hedged,
+                                       # restarted, adapted a limit), with its reason
 
 
 _LEVELS = {EventKind.START: logging.INFO, EventKind.SHUTDOWN: logging.INFO,
            EventKind.RECOVERED: logging.INFO, EventKind.RESTART: logging.WARNING,
            EventKind.EXIT: logging.WARNING, EventKind.QUARANTINE: logging.WARNING,
-           EventKind.REPLACED: logging.WARNING, EventKind.SAVE_FAILED: logging.WARNING}
+           EventKind.REPLACED: logging.WARNING, EventKind.SAVE_FAILED: logging.WARNING,
+           EventKind.CONTROL: logging.INFO}
 
 
 @dataclass(frozen=True)

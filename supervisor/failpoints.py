@@ -47,6 +47,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -79,7 +80,11 @@ KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "
          "learner.checkpoint_manifest",
          # Faults of user code, fired where erlay calls it, inside its guard: raise is the
          # user's exception, hang the user's hang, corrupt a bad return.
-         "environment.call", "judge.user_code")
+         "environment.call", "judge.user_code",
+         # The tool code itself hangs (corrupt: the sandbox runs a sleep in its place, until
+         # the run's wall deadline); a prompt whose completion runs long (keyed by the
+         # rollout's seed: the engine ignores its stop tokens to the end of its budget).
+         "sandbox.user_code", "generation.long_tail")
 # How often an async hang looks whether it was released.  Disarm may come from any thread
 # (a threaded actor's control group), so the hang polls a threading.Event instead of
 # awaiting a future bound to one loop.
@@ -234,6 +239,26 @@ def failpoint(name: str) -> bool:
         case Action.EXIT:
             os._exit(armed.spec.exit_code)
     return False
+
+
+def keyed(name: str, key: str) -> bool:
+    """A ``corrupt`` failpoint decided by ``key`` instead of a draw: armed with
+    ``probability=p`` (and ``seed``), a share ``p`` of the keys fire, the same keys on every
+    hit and in every process, so a request retried or re-dispatched elsewhere meets the same
+    fault (a prompt whose completion is long stays long).  Always fires without a
+    probability; ``nth`` and ``count`` do not apply; other actions never fire here."""
+    if not _ARMED:
+        return False
+    armed = _ARMED.get(name)
+    if armed is None or armed.spec.action is not Action.CORRUPT:
+        return False
+    p = armed.spec.probability
+    digest = hashlib.blake2b(f"{armed.spec.seed}:{key}".encode(), digest_size=8).digest()
+    fire = p is None or int.from_bytes(digest, "big") / 2.0 ** 64 < p
+    with _LOCK:
+        armed.hits += 1
+        armed.fired += fire
+    return fire
 
 
 # One chunk of hold_gil: a C loop of about a second here, during which no other thread of

@@ -91,6 +91,12 @@ class TracingEventSink:
                     self._on_restart(domain_of(path), cause)
             elif event.context is EventKind.START:
                 self._end_restart(path, ns, ok=True)
+            elif event.context is EventKind.CONTROL:
+                # One span per goodput-controller action, its reason and numbers attached.
+                extra = {f"erlay.control.{k}": v for k, v in event.extra.items()
+                         if isinstance(v, str | int | float | bool)}
+                tracer.start_span("control", start_time=ns,
+                                  attributes={**base, **extra}).end(end_time=ns)
             elif event.context is EventKind.ESCALATION:
                 below = [c for p, c in self._failures.items() if p.startswith(path + "/")
                          or p == path]

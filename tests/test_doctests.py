@@ -13,7 +13,7 @@ import pytest
 # and the typed seams' small types.
 MODULES = ["erlay.supervisor.spec", "erlay.environments.base", "erlay.judges.base",
            "erlay.actors.config", "erlay.actors.journal.rollout_id",
-           "erlay.actors.learner.options"]
+           "erlay.actors.learner.options", "erlay.actors.control.policy"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from erlay.actors.config.control import ControlSection
 from erlay.actors.config.data import DataSection
 from erlay.actors.config.learner import LearnerSection
 from erlay.actors.config.logging import LoggingSection
@@ -435,6 +436,7 @@ class JobConfig(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     supervision: SupervisionSection = SupervisionSection()
     plugins: PluginsSection = PluginsSection()
+    control: ControlSection = ControlSection()
     telemetry: TelemetrySection = TelemetrySection()
     logging: LoggingSection = LoggingSection()
     node: NodeSection = NodeSection()

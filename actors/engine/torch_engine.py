@@ -66,7 +66,7 @@ from erlay.actors.engine.api import (
 from erlay.actors.engine.core import DecodeBatch, Sequence, drafts_for_step, validate_request
 from erlay.actors.engine.tail import TailWindow
 from erlay.actors.model.build import Policy, build_policy, load_engine_state
-from erlay.supervisor import telemetry
+from erlay.supervisor import failpoints, telemetry
 from erlay.supervisor.failpoints import afailpoint
 from erlay.supervisor.progress import Progress
 from erlay.supervisor.reason import ExitKind, ExitReason
@@ -274,6 +274,10 @@ class TorchEngine:
         validate_request(request, self.config.vocab_size, self.config.max_seq_len)
         if request.request_id in self._streams:
             raise InvalidRequest(f"request {request.request_id} is already being generated")
+        if failpoints.keyed("generation.long_tail", str(request.seed)):
+            # Chaos: this rollout's completion runs to the end of its budget (its stop tokens
+            # ignored), on whichever engine continues it.
+            request = dataclasses.replace(request, stop_ids=())
         stream = _Stream(Sequence(request)) if queue is None else \
             _Stream(Sequence(request), queue=queue)
         stream.timing = {"received": time.monotonic()}

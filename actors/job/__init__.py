@@ -14,7 +14,8 @@ importing :mod:`erlay.actors.job.node_runtime` alone does not pull in the whole 
 
 May import: erlay.supervisor, erlay.environments, erlay.sandbox, erlay.judges,
 erlay.actors.config, erlay.actors.rundir, erlay.actors.model, erlay.actors.journal,
-erlay.actors.engine, erlay.actors.learner, erlay.actors.observe, erlay.actors.data.
+erlay.actors.engine, erlay.actors.learner, erlay.actors.observe, erlay.actors.data,
+erlay.actors.control.
 """
 
 from __future__ import annotations

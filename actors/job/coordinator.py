@@ -36,6 +36,8 @@ from typing import Any
 
 import ray
 
+from erlay.actors.control import GoodputController
+from erlay.actors.job.control_wiring import build_controller
 from erlay.actors.job.domains import CHILD_GONE, EnginePool, SandboxClient, Weights
 from erlay.actors.job.env_client import EnvironmentClient
 from erlay.actors.job.hostcalls import HostCalls
@@ -139,6 +141,7 @@ class RolloutCoordinator:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.checkpoint_exposed_s: list[float] = []   # per save, seconds the learner blocked
         self.validator: Validator | None = None   # with data.validation_every, from setup
+        self.control: GoodputController | None = None   # with control.enabled, from setup
 
     async def setup(self) -> None:
         """Start this incarnation's own loop thread and build the clients there."""
@@ -156,9 +159,12 @@ class RolloutCoordinator:
         self.learners = [tree.ref(p) for p in paths.learners]
         self.engines = EnginePool(tree, paths.engines,
                                   update_timeout_s=cfg.engine.update_timeout_s)
+        # The goodput controller's ticks run on this loop: LoopThread.close cancels them.
+        self.control = control = build_controller(cfg, self.engines, tree, self.ctx.control)
         self.sandbox = SandboxClient(tree, paths.sandbox_hosts, paths.sandbox_workers,
                                      cfg.sandbox.max_attempts,
-                                     call_timeout_s=cfg.sandbox.call_timeout_s)
+                                     call_timeout_s=cfg.sandbox.call_timeout_s,
+                                     limits=control.sandbox if control else None)
         plugins = cfg.plugins
         rule = RateRule(plugins.window, plugins.max_failure_rate, plugins.min_calls)
         env_calls = HostCalls(tree, paths.environment_hosts, call_timeout_s=plugins.timeout_s)
@@ -170,15 +176,19 @@ class RolloutCoordinator:
                                 breaker=lambda: CircuitBreaker(
                                     breaker.failure_threshold, breaker.cool_down_s,
                                     window=breaker.window, min_calls=breaker.min_calls,
-                                    open_rate=breaker.open_rate))
+                                    open_rate=breaker.open_rate),
+                                limits=control.judge if control else None)
         self.judge = JudgeClient(judge_calls.run, cfg.judge.cls, retries=cfg.judge.retries,
-                                 timeout_s=cfg.judge.timeout_s, rule=rule)
+                                 timeout_s=cfg.judge.timeout_s, rule=rule,
+                                 deadline=control.judge.deadline if control else None)
         sampling = SamplingParams(self.cfg.engine.max_new_tokens, self.cfg.engine.temperature,
                                   self.cfg.engine.chunk_tokens, self.cfg.run.seed,
                                   stop=tuple(self.cfg.engine.stop))
         self.runner = RolloutRunner(self.env, self.ctx.tokenizer, self.engines, self.sandbox,
                                     self.judge, self.sink, sampling, self.ctx.max_seq_len,
-                                    observer=self.ctx.observer)
+                                    observer=self.ctx.observer, control=control)
+        if control is not None:
+            control.start()
         self.runner.batcher.idle_s = 2 * cfg.engine.decode_deadline_s
         if "validation" in infos:
             self.validation_env = EnvironmentClient(
@@ -249,6 +259,9 @@ class RolloutCoordinator:
                         generation[ahead] = asyncio.create_task(self._generate_step(ahead),
                                                                 name=f"gen-step-{ahead}")
                 step_started = time.monotonic()
+                if self.control is not None:
+                    self.control.awaiting(n, cfg.rollout.prompts_per_step
+                                          * cfg.rollout.group_size)
                 trajectories, gen_window = await generation.pop(n)
                 gen_wait = time.monotonic() - step_started
                 tails = await self._engine_tails()
@@ -604,6 +617,10 @@ class RolloutCoordinator:
             **counts.to_dict(),
             "tool_calls": sum(t.tool_calls for t in trajectories),
             "resumed_turns": sum(t.resumed for t in trajectories),
+            # The goodput controller's hedges so far (this coordinator incarnation), and the
+            # tokens both copies of a hedged turn generated: what hedging cost.
+            "hedges": self.runner.hedges if self.runner else 0,
+            "hedge_tokens_twice": self.runner.hedge_tokens_twice if self.runner else 0,
             "staleness_max": max((learner_version - v for v in versions), default=0),
             "sandbox_calls": self.sandbox.calls,
             "gen_s": round(gen_seconds, 4), "gen_wait_s": round(gen_wait, 4),

@@ -23,11 +23,13 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from erlay.actors.control.limits import CallLimits
 from erlay.actors.engine.api import EngineFailed
 from erlay.supervisor.deadline import stream_within, within
 from erlay.supervisor.errors import CallDeadlineExceeded, ChildNotRunning
@@ -94,10 +96,17 @@ class EnginePool:
         self._admitted: dict[str, int] = {}
         self._load: dict[str, int] = {p: 0 for p in paths}
         self._admitting: dict[str, tuple[int, asyncio.Task[None]]] = {}
+        # The goodput controller's routing (erlay.actors.control): None = least loaded.
+        self.router: Callable[[dict[str, int]], str] | None = None
+
+    def load(self, path: str) -> int:
+        """Rollouts in flight on the engine at ``path``."""
+        return self._load.get(path, 0)
 
     async def acquire(self, timeout_s: float = 120.0,
                       exclude: frozenset[tuple[str, int]] = frozenset()) -> ChildRef:
-        """A running, admitted engine with the fewest requests in flight.
+        """A running, admitted engine: the one :attr:`router` picks, else the one with the
+        fewest requests in flight.
 
         ``exclude`` holds (path, incarnation) pairs that already failed the caller: an
         engine that just died looks running until its supervisor notices, and a failover
@@ -120,7 +129,11 @@ class EnginePool:
             if admitted:
                 for ref in pending:
                     self._admit_later(ref)
-                ref = min(admitted, key=lambda r: self._load[r.path])
+                if self.router is not None and len(admitted) > 1:
+                    path = self.router({r.path: self._load[r.path] for r in admitted})
+                    ref = next(r for r in admitted if r.path == path)
+                else:
+                    ref = min(admitted, key=lambda r: self._load[r.path])
                 self._load[ref.path] += 1
                 return ref
             if time.monotonic() > deadline:
@@ -317,8 +330,12 @@ class SandboxClient:
     that takes two deaths in a row on the same host, each already a restart."""
 
     def __init__(self, tree: SupervisionTree, hosts: list[str], workers: list[str],
-                 max_attempts: int, call_timeout_s: float = 60.0) -> None:
+                 max_attempts: int, call_timeout_s: float = 60.0,
+                 limits: CallLimits | None = None) -> None:
         self.hosts = [tree.ref(p) for p in hosts]
+        # With the goodput controller: each run's wall deadline (the request's timeout_s)
+        # and a slot under its host's concurrency limit.  None: the sandbox limits' own.
+        self.limits = limits
         self.workers = workers
         self.max_attempts = max_attempts
         self.call_timeout_s = call_timeout_s
@@ -345,10 +362,7 @@ class SandboxClient:
             worker = self.workers[(n // len(hosts)) % len(self.workers)]
             try:
                 self.calls += 1
-                result = await within(
-                    host.actor.call.remote(worker, "execute", (request,),
-                                           {"trace": trace} if trace else None),
-                    self.call_timeout_s, f"{host.path}/{worker}.execute")
+                result = await self._call(host, worker, request, trace)
                 if result.get("outcome") != "spawn_failed":
                     return result  # type: ignore[no-any-return]
                 # The sandbox could not start the run: not the code's fault, try again.
@@ -366,3 +380,25 @@ class SandboxClient:
                 await asyncio.sleep(0.05)
         return _result(key, "spawn_failed",
                        f"sandbox unavailable after {self.max_attempts} attempts: {last}")
+
+    async def _call(self, host: ChildRef, worker: str, request: dict[str, Any],
+                    trace: dict[str, str] | None) -> dict[str, Any]:
+        if self.limits is None:
+            return await within(  # type: ignore[no-any-return]
+                host.actor.call.remote(worker, "execute", (request,),
+                                       {"trace": trace} if trace else None),
+                self.call_timeout_s, f"{host.path}/{worker}.execute")
+        async with self.limits.slot(host.path):
+            deadline = self.limits.deadline()
+            request = {**request, "timeout_s": deadline}
+            started = time.monotonic()
+            result: dict[str, Any] = await within(
+                host.actor.call.remote(worker, "execute", (request,),
+                                       {"trace": trace} if trace else None),
+                self.call_timeout_s, f"{host.path}/{worker}.execute")
+        if result.get("outcome") != "spawn_failed":
+            ran = float(result.get("wall_s") or 0.0)
+            # Waited at the host (its workers busy) longer than a run may take: congested.
+            self.limits.record(host.path, ran, timed_out=result.get("outcome") == "timeout",
+                               congested=time.monotonic() - started - ran > deadline)
+        return result

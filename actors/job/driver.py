@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
+from erlay.actors.control.policy import Action
 from erlay.actors.job.coordinator import RolloutCoordinator
 from erlay.actors.job.env_worker import EnvironmentSpec
 from erlay.actors.job.modelplan import plan_model
@@ -204,6 +205,8 @@ class Job:
         self.span_exporter: Any = None  # tests: an extra (in-memory) span exporter
         self.last_metrics: dict[str, Any] | None = None     # for `erlay status`
         self.last_rl_metrics: dict[str, Any] | None = None
+        self.control_actions = 0                            # the goodput controller's
+        self.last_control: Action | None = None
 
     def abort(self, reason: str) -> None:
         """End the job as failed with ``reason`` (a broken plug-in): the tree then shuts
@@ -218,6 +221,29 @@ class Job:
                                          time.time()))
         self.telemetry.checkpoint_failed()
 
+    @property
+    def control_summary(self) -> dict[str, Any] | None:
+        """``erlay status``'s line on the goodput controller: actions so far, the latest."""
+        if not self.cfg.control.enabled:
+            return None
+        last = self.last_control
+        return {"actions": self.control_actions,
+                "last": last.to_dict() if last is not None else None}
+
+    def control_action(self, action: Action) -> None:
+        """Called by the goodput controller for each action: one ``control`` event (events.jsonl,
+        the log, OpenTelemetry) and one ``control`` metrics record, both with its reason."""
+        self.control_actions += 1
+        self.last_control = action
+        self.events.emit(SupervisorEvent(f"{ROOT}/control", action.target.rpartition("/")[2],
+                                         EventKind.CONTROL, f"{action.kind}: {action.reason}",
+                                         0, time.time(), dict(action.to_dict())))
+        # Straight to metrics.jsonl: not a phase of the job (status keeps its last one), and
+        # not a tracker series (its fields are words).
+        self.run_dir.append_metrics({"time": round(time.time() - self._t0, 3),
+                                     "phase": "control", **action.to_dict(),
+                                     "started_at": round(self._t0, 3)})
+
     def _start_coordinator(self) -> RolloutCoordinator:
         """A new incarnation of the rollout coordinator (the rollout domain calls this at
         every start), handed exactly what it needs of the job."""
@@ -227,7 +253,8 @@ class Job:
             journal=self.journal, sink=self.transitions, tokenizer=self.tokenizer,
             max_seq_len=self.plan.max_seq_len, validation_rows=self.env_spec.validation_rows,
             observer=self.telemetry, report=self.report_metrics, abort=self.abort,
-            checkpoint_failed=self.checkpoint_failed, training_ended=self._training_ended))
+            checkpoint_failed=self.checkpoint_failed, training_ended=self._training_ended,
+            control=self.control_action))
         return self.coordinator
 
     @property

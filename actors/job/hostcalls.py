@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from erlay.actors.control.limits import CallLimits
 from erlay.actors.job.domains import CHILD_GONE, wait_for_any
 from erlay.judges.budget import CircuitBreaker
 from erlay.supervisor.deadline import within
@@ -52,8 +53,12 @@ class HostCalls:
     def __init__(self, tree: SupervisionTree, hosts: list[str], *, call_timeout_s: float,
                  queue_timeout_s: float = 60.0, host_wait_s: float = 60.0,
                  breaker: Callable[[], CircuitBreaker] | None = None,
+                 limits: CallLimits | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.refs = [tree.ref(p) for p in hosts]
+        # With the goodput controller: a slot under each host's concurrency limit, and the
+        # latency of each answered call (the deadline itself is the caller's WorkerCall's).
+        self.limits = limits
         self.call_timeout_s = call_timeout_s
         self.queue_timeout_s = queue_timeout_s
         self.host_wait_s = host_wait_s
@@ -70,7 +75,16 @@ class HostCalls:
         host = await self._pick()
         if isinstance(host, CallOutcome):
             return host
-        outcome = await self._queue(host, call)
+        if self.limits is None:
+            outcome = await self._queue(host, call)
+        else:
+            async with self.limits.slot(host.path):
+                started = self.clock()
+                outcome = await self._queue(host, call)
+            # A lost call is the host's failure (dead, restarting, or not answering in
+            # time): congestion; a timeout is the user code's.
+            self.limits.record(host.path, self.clock() - started,
+                               timed_out=outcome.kind != "ok", congested=outcome.kind == "lost")
         breaker = self.breakers.get(host.path)
         if breaker is not None:
             if outcome.kind == "lost":

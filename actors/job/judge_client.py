@@ -49,8 +49,11 @@ class JudgeClient:
 
     def __init__(self, transport: Transport, judge_path: str, *, retries: int,
                  timeout_s: float, rule: RateRule = RateRule(),
-                 pause_s: float = 0.05) -> None:
+                 pause_s: float = 0.05, deadline: Callable[[], float] | None = None) -> None:
         self.transport = transport
+        # Each judgement's deadline: ``timeout_s``, or what ``deadline`` says (the goodput
+        # controller's adaptive one, never above ``timeout_s``).
+        self.deadline = deadline or (lambda: timeout_s)
         self.judge_path = judge_path
         self.retries = retries
         self.timeout_s = timeout_s
@@ -72,7 +75,8 @@ class JudgeClient:
 
     async def _judgement(self, key: str, judge_input: str, answer: str,
                          trace: dict[str, str] | None) -> Judgement:
-        call = WorkerCall("score", (judge_input, answer, key, trace), timeout_s=self.timeout_s,
+        timeout_s = self.deadline()
+        call = WorkerCall("score", (judge_input, answer, key, trace), timeout_s=timeout_s,
                           label=f"{self.judge_path}.score {key}")
         deaths: list[str] = []
         lost = 0
@@ -85,7 +89,7 @@ class JudgeClient:
                 case "timeout":
                     return Judgement.undecided(
                         f"{JUDGE_TIMEOUT}: {self.judge_path}.score gave no answer within "
-                        f"{self.timeout_s:g} s (its worker process was replaced)", "timeout")
+                        f"{timeout_s:g} s (its worker process was replaced)", "timeout")
                 case "died":
                     deaths.append(outcome.detail)
                     if len(deaths) >= 2:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from erlay.actors.control import GoodputController
 from erlay.actors.engine.api import GenerationRequest, TokenChunk
 from erlay.actors.job.domains import (
     CHILD_GONE,
@@ -35,6 +36,7 @@ from erlay.actors.job.domains import (
     engine_failed_at,
 )
 from erlay.actors.job.env_client import EnvironmentClient
+from erlay.actors.job.hedge import TurnTokens, race
 from erlay.actors.job.judge_client import JudgeClient
 from erlay.actors.job.plugins import UserCodeFailed, UserError
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
@@ -211,7 +213,8 @@ class RolloutRunner:
     def __init__(self, env: EnvironmentClient, tokenizer: Tokenizer, engines: EnginePool,
                  sandbox: SandboxClient, judge: JudgeClient, sink: TransitionSink,
                  sampling: SamplingParams, max_seq_len: int,
-                 observer: RolloutObserver | None = None) -> None:
+                 observer: RolloutObserver | None = None,
+                 control: GoodputController | None = None) -> None:
         self.env = env
         self.tok = tokenizer
         # The environment's tool schemas for the chat template, as its workers described
@@ -224,6 +227,10 @@ class RolloutRunner:
         self.sampling = sampling
         self.max_seq_len = max_seq_len
         self.observer = observer
+        # The goodput controller: told each stream, turn and rollout; asked about hedges.
+        self.control = control
+        self.hedges = 0   # turns raced by a hedge
+        self.hedge_tokens_twice = 0   # positions both streams of a hedged turn generated
         self.generate_seconds = 0.0
         self.batcher = EngineBatcher()
         self.resumes: list[Resume] = []   # one per failover, timed
@@ -263,6 +270,8 @@ class RolloutRunner:
                 traj = await self._play(rollout_id, step, group, episode, episode_index,
                                         history, version)
             traj.trace = telemetry.carrier(span)
+            if self.control is not None:
+                self.control.rollout_finished(step)
             span.set_attribute("erlay.reward", traj.reward)
             span.set_attribute("erlay.tokens", traj.generated_tokens)
         return traj
@@ -334,6 +343,8 @@ class RolloutRunner:
                     span.set_attribute("erlay.policy_version", max(versions, default=-1))
                 if self.observer is not None:
                     self.observer.generation_latency(latency, step)
+                if self.control is not None:
+                    self.control.turn_latency(latency)
             # A stop string ends the turn at the token that completes it: what the engine
             # streamed after it (the journal keeps it) is not part of the turn.  The cut is a
             # function of the tokens, so a replay from the journal cuts at the same token.
@@ -384,29 +395,50 @@ class RolloutRunner:
                         journaled: TurnHistory) -> tuple[list[int], list[float], list[int]]:
         """Generate one turn, continuing after its ``journaled`` tokens.  If the engine dies,
         continue on another one from the tokens received (the dead one's restart is not
-        awaited); the first chunk after such a failover is timed in ``resumes``.
+        awaited); the first chunk after such a failover is timed in ``resumes``.  With the
+        goodput controller's hedging, a straggling turn is raced by a second stream
+        (:mod:`erlay.actors.job.hedge`).
 
         Once the tokens hold a stop string the engine is asked to abort the request (the
         stream still ends with its final chunk), and a journaled prefix that already holds one
         is not continued: either way :meth:`_play` cuts the turn at the same token."""
-        tokens = list(journaled.token_ids)
-        logprobs = list(journaled.logprobs)
-        versions = list(journaled.versions)
-        traj.resumed += bool(tokens)
+        got = TurnTokens(list(journaled.token_ids), list(journaled.logprobs),
+                         list(journaled.versions))
+        traj.resumed += bool(got.token_ids)
+        if len(got.token_ids) >= budget:  # every token was journaled; only the final chunk
+            return got.token_ids, got.logprobs, got.versions   # was lost
         started = time.monotonic()
+
+        def stream(hedge: bool) -> Any:
+            return self._stream(rollout_id, turn, context, seed, budget, traj, got, hedge)
+
+        control = self.control
+        after = control.hedge_after() if control is not None else None
+        if control is None or after is None:
+            await stream(False)
+        else:
+            hedged = await race(stream, got, lambda running: control.hedge_due(
+                rollout_id, traj.step, running), not_before_s=after)
+            self.hedges += hedged   # after the await: turns race concurrently
+        self.generate_seconds += time.monotonic() - started
+        return got.token_ids, got.logprobs, got.versions
+
+    async def _stream(self, rollout_id: str, turn: int, context: list[int], seed: int,
+                      budget: int, traj: Trajectory, got: TurnTokens, hedge: bool) -> None:
+        """Stream the turn into ``got`` until it is finished, failing over to another
+        engine when one dies.  A ``hedge`` avoids the engines already streaming the turn."""
         failed_at: float | None = None
         failed_said: float | None = None   # when the failed engine said it failed
-        if len(tokens) >= budget:  # every token was journaled; only the final chunk was lost
-            return tokens, logprobs, versions
-        failed_engines: set[tuple[str, int]] = set()
+        failed_engines: set[tuple[str, int]] = set(got.engines) if hedge else set()
         give_up = time.monotonic() + FAILOVER_BUDGET_S
         trace = telemetry.carrier()
+        got.streams += 1
         while True:
             stop = self.sampling.stop
-            if stop and stop_cut(self.tok, tokens, stop) is not None:
+            if got.done or (stop and stop_cut(self.tok, got.token_ids, stop) is not None):
                 # The turn (journaled, or received before its engine died) already met its
                 # stop string: nothing after it would be kept.
-                return tokens, logprobs, versions
+                return
             engine = await self.engines.acquire(exclude=frozenset(failed_engines))
             try:
                 incarnation = engine.incarnation
@@ -422,19 +454,28 @@ class RolloutRunner:
             request = GenerationRequest(
                 request_id=f"{rollout_id}/t{turn}/{self._nonce}.{next(self._attempts)}",
                 prompt_ids=tuple(context),
-                max_new_tokens=budget - len(tokens), seed=seed + turn,
-                temperature=self.sampling.temperature, prefix_ids=tuple(tokens),
+                max_new_tokens=budget - len(got.token_ids), seed=seed + turn,
+                temperature=self.sampling.temperature, prefix_ids=tuple(got.token_ids),
                 stop_ids=tuple(self.tok.stop_ids),
                 chunk_tokens=self.sampling.chunk_tokens, trace=trace)
-            continued_at = len(tokens) if tokens else None
+            continued_at = len(got.token_ids) if got.token_ids else None
             engine_timing: dict[str, float] | None = None
+            streamed = 0
+            got.engines.add((engine.path, incarnation))
             try:
                 async for data in self.batcher.stream(engine, request.to_dict()):
+                    if got.done:   # another stream finished the turn
+                        self._abort(engine, request.request_id)
+                        return
                     chunk = TokenChunk.from_dict(data)
+                    streamed += len(chunk.token_ids)
                     engine_timing = engine_timing or chunk.timing
-                    if chunk.start < len(tokens):  # a re-sent prefix: keep only what is new
-                        overlap = min(len(tokens) - chunk.start, len(chunk.token_ids))
-                        self.tokens_regenerated += overlap
+                    overlap = got.new_part(chunk.start, chunk.token_ids)
+                    if overlap:  # a re-sent prefix, or positions the other stream took
+                        if got.streams == 1:
+                            self.tokens_regenerated += overlap
+                        else:   # both streams of a hedged turn made these: work done twice
+                            self.hedge_tokens_twice += overlap
                         chunk = dataclasses.replace(
                             chunk, start=chunk.start + overlap,
                             token_ids=chunk.token_ids[overlap:], logprobs=chunk.logprobs[overlap:])
@@ -456,16 +497,22 @@ class RolloutRunner:
                                                        engine.path))
                             continued_at = None
                         self.sink.record(Transition(TransitionKind.CHUNK, rollout_id, data))
-                    tokens += chunk.token_ids
-                    logprobs += chunk.logprobs
-                    versions += [chunk.version] * len(chunk.token_ids)
+                    got.token_ids += chunk.token_ids
+                    got.logprobs += chunk.logprobs
+                    got.versions += [chunk.version] * len(chunk.token_ids)
                     if chunk.finished:
-                        self.generate_seconds += time.monotonic() - started
-                        return tokens, logprobs, versions
+                        got.done = True
+                        if self.control is not None:
+                            self.control.stream_finished(engine.path, streamed,
+                                                         time.monotonic() - dispatched_at)
+                        return
                     if stop and chunk.token_ids and \
-                            stop_cut(self.tok, tokens, stop) is not None:
+                            stop_cut(self.tok, got.token_ids, stop) is not None:
                         stop = ()   # ask once; the stream goes on to its final chunk
                         self._abort(engine, request.request_id)
+            except asyncio.CancelledError:   # the other stream of a hedged turn won
+                self._abort(engine, request.request_id)
+                raise
             except CHILD_GONE as exc:
                 traj.resumed += 1
                 if failed_at is None:
@@ -473,13 +520,15 @@ class RolloutRunner:
                     failed_said = engine_failed_at(exc)
                 if not isinstance(exc, EngineRequestFailed):  # dead, not merely refusing
                     failed_engines.add((engine.path, incarnation))
+                elif self.control is not None:
+                    self.control.stream_failed(engine.path)
                 if (engine.path, incarnation) not in self._reported_failures:
                     self._reported_failures.add((engine.path, incarnation))
                     log.warning("engine %s (incarnation %d) failed under streaming rollouts; "
                                 "resuming them on other engines (%s)", engine.path,
                                 incarnation, exc)
                 log.debug("engine %s failed under %s/t%d after %d token(s)", engine.path,
-                          rollout_id, turn, len(tokens))
+                          rollout_id, turn, len(got.token_ids))
                 if time.monotonic() > give_up:
                     raise
                 if isinstance(exc, EngineRequestFailed):
@@ -487,6 +536,7 @@ class RolloutRunner:
                     # excluded from the next pick, so that goes on at once.
                     await asyncio.sleep(0.02)
             finally:
+                got.engines.discard((engine.path, incarnation))
                 self.engines.release(engine)
 
     @staticmethod

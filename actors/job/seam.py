@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from erlay.actors.config import JobConfig
+from erlay.actors.control.policy import Action
 from erlay.actors.job.rollout import RolloutObserver
 from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import TransitionSink
@@ -44,7 +45,8 @@ class CoordinatorContext:
     model plan's; ``validation_rows``: rows of ``data.validation`` (0: no validation);
     ``observer``: the telemetry hub the rollouts report to.  Callbacks: ``report`` one
     metrics record, ``abort`` the job as failed (a broken plug-in), ``checkpoint_failed``
-    a learner save given up (step, reason), ``training_ended`` at the step it reached.
+    a learner save given up (step, reason), ``training_ended`` at the step it reached,
+    ``control`` one action of the goodput controller (an event with its reason).
     """
 
     cfg: JobConfig
@@ -61,3 +63,4 @@ class CoordinatorContext:
     abort: Callable[[str], None]
     checkpoint_failed: Callable[[int, str], None]
     training_ended: Callable[[int], None]
+    control: Callable[[Action], None]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,20 @@ def _failed_saves(data: RunData) -> list[tuple[str, str]]:
              "committed checkpoint stood each time")]
 
 
+def _control_actions(data: RunData) -> list[tuple[str, str]]:
+    """The overview's row of the goodput controller's actions (``control`` records in
+    metrics.jsonl), by kind, with the latest's reason; none when it took none."""
+    actions = [m for m in data.metrics if m.get("phase") == "control"]
+    if not actions:
+        return []
+    kinds = Counter(str(m.get("kind")) for m in actions)
+    last = actions[-1]
+    return [("goodput controller", f"{len(actions)} action(s) ("
+             + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+             + f"); latest: {last.get('kind')} {last.get('target')}: "
+             f"{_cell(str(last.get('reason', '')), 160)}")]
+
+
 def _overview(data: RunData, a: Analysis) -> list[str]:
     steps = [m["step"] for m in data.rl if is_num(m.get("step"))]
     planned = f" of {data.planned_steps} planned" if data.planned_steps else ""
@@ -310,6 +325,7 @@ def _overview(data: RunData, a: Analysis) -> list[str]:
                  f"{len(a.failures) - restarted} not restarted); "
                  f"{a.escalations} escalation(s)"))
     rows += _failed_saves(data)
+    rows += _control_actions(data)
     cost = sum(a.lost.costs)
     rows.append(("time lost to failures",
                  f"{cost:.2f} s ({_pct(100 * cost / a.lost.rl_wall_s)} of RL wall time)"

@@ -115,6 +115,11 @@ class JobView(Protocol):
         """Restarts in the job's tree so far."""
         ...
 
+    @property
+    def control_summary(self) -> dict[str, Any] | None:
+        """The goodput controller's actions so far and its latest (None when it is off)."""
+        ...
+
 
 class StatusPublisher:
     """Publishes ``collect()`` under this driver's Ray job every ``interval_s`` seconds.
@@ -221,7 +226,7 @@ def job_doc(job: JobView, tree: SupervisionTree, started: float,
                 "dir": str(job.run_dir.path)},
         "job": {"phase": last.get("phase"), "step": rl.get("step"),
                 "steps": job.cfg.run.steps, "reward": rl.get("reward_mean"),
-                "restarts": job.restart_count,
+                "restarts": job.restart_count, "control": job.control_summary,
                 "uptime_s": round(time.monotonic() - started, 3),
                 "driver": {"pid": os.getpid(), "host": socket.gethostname()}},
         "tree": snapshot,

@@ -105,7 +105,18 @@ def header_lines(view: dict[str, Any]) -> list[str]:
             f"{step}   last reward {reward}   restarts {job.get('restarts', 0)}   "
             f"uptime {format_age(job.get('uptime_s'))}   snapshot {age} old{stale}",
             f"driver pid {driver.get('pid', '?')} on {driver.get('host', '?')}   "
-            f"ray {view['address']}  job {view.get('ray_job_id', '?')}"]
+            f"ray {view['address']}  job {view.get('ray_job_id', '?')}",
+            *control_lines(job.get("control"))]
+
+
+def control_lines(control: dict[str, Any] | None) -> list[str]:
+    """The goodput controller's line: how many actions, and the latest with its reason."""
+    if not control:
+        return []
+    last = control.get("last")
+    latest = (f"   latest: {last['kind']} {last['target']}: {last['reason']}"
+              if last else "")
+    return [f"goodput controller: {control.get('actions', 0)} action(s){latest}"]
 
 
 def tree_rows(tree: dict[str, Any]) -> list[tuple[str, ...]]:

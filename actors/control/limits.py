@@ -1,0 +1,104 @@
+"""Adaptive limits for the calls into one domain (the sandbox, the judge).
+
+:class:`CallLimits` is what a domain client asks before and tells after each call: the
+deadline to give the call (:func:`~erlay.actors.control.policy.adaptive_deadline`), and a
+slot under each host's concurrency limit (:func:`~erlay.actors.control.policy.aimd`).  A
+change worth telling (the deadline moved by a tenth, the limit crossed a whole number) is an
+:class:`~erlay.actors.control.policy.Action` handed to ``emit``.
+
+Contracts: a slot is always released (``async with``); a waiter for a slot waits only while
+some call holds one, so it never waits forever; with ``knobs.enabled`` false every call gets
+the configured deadline and no limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from erlay.actors.config.control import CallControl
+from erlay.actors.control.policy import Action, adaptive_deadline, aimd
+
+
+class _HostLimit:
+    """One host's AIMD limit and the calls holding its slots."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self.freed = asyncio.Event()
+
+
+class CallLimits:
+    """The adaptive deadline and per-host concurrency of one domain's calls."""
+
+    def __init__(self, domain: str, knobs: CallControl, configured_s: float,
+                 emit: Callable[[Action], None] | None = None) -> None:
+        self.domain = domain
+        self.knobs = knobs
+        self.configured_s = configured_s
+        self.emit = emit or (lambda action: None)
+        self.latencies: deque[float] = deque(maxlen=knobs.window)
+        self.timeouts = 0
+        self._hosts: dict[str, _HostLimit] = {}
+        self._told_deadline = configured_s
+
+    def deadline(self) -> float:
+        """The deadline of the next call (the configured one while adapting is off)."""
+        if not self.knobs.enabled:
+            return self.configured_s
+        return adaptive_deadline(list(self.latencies), self.knobs, self.configured_s)
+
+    def limit(self, host: str) -> float:
+        entry = self._hosts.get(host)
+        return entry.limit if entry is not None else float(self.knobs.max_concurrency)
+
+    @asynccontextmanager
+    async def slot(self, host: str) -> AsyncIterator[None]:
+        """Hold one of ``host``'s slots for the call made inside."""
+        if not self.knobs.enabled:
+            yield
+            return
+        entry = self._hosts.get(host)
+        if entry is None:
+            entry = self._hosts[host] = _HostLimit(float(self.knobs.max_concurrency))
+        while entry.in_flight >= int(entry.limit) and entry.in_flight > 0:
+            entry.freed.clear()
+            await entry.freed.wait()
+        entry.in_flight += 1
+        try:
+            yield
+        finally:
+            entry.in_flight -= 1
+            entry.freed.set()
+
+    def record(self, host: str, seconds: float, *, timed_out: bool,
+               congested: bool = False) -> None:
+        """One call ended: ``seconds`` the callee ran it, whether it hit its deadline (the
+        user's code was too slow: its time is the deadline, not its own, so it does not
+        feed the latencies), and whether the host was ``congested`` (the call waited at the
+        host longer than a call may run, or the host lost it).  Only congestion lowers the
+        host's concurrency: a hung tool is its code's fault, not the host's load."""
+        if not self.knobs.enabled:
+            return
+        if timed_out:
+            self.timeouts += 1
+        else:
+            self.latencies.append(seconds)
+        entry = self._hosts.setdefault(host, _HostLimit(float(self.knobs.max_concurrency)))
+        before = entry.limit
+        entry.limit = aimd(entry.limit, congested, self.knobs)
+        if int(entry.limit) != int(before):
+            self.emit(Action(f"{self.domain}_concurrency", host,
+                             ("the host is congested" if congested else
+                              "the host keeps up"), float(int(entry.limit))))
+        deadline = self.deadline()
+        if abs(deadline - self._told_deadline) > 0.1 * self._told_deadline:
+            self.emit(Action(f"{self.domain}_deadline", self.domain,
+                             f"p{self.knobs.deadline_percentile * 100:g} of the last "
+                             f"{len(self.latencies)} calls x{self.knobs.deadline_multiplier:g}, "
+                             f"between {self.knobs.deadline_floor_s:g} and "
+                             f"{self.configured_s:g} s", deadline))
+            self._told_deadline = deadline
