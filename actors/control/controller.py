@@ -78,6 +78,8 @@ class GoodputController:
         self.restarter: EngineRestarter | None = None
         self.hedging = hedging and knobs.hedge.enabled
         self.turn_latencies: deque[float] = deque(maxlen=256)
+        self._new_latencies = 0
+        self._hedge_after: float | None = None
         self.awaited: tuple[int, int] | None = None    # (step, rollouts) the loop waits on
         self.finished: dict[int, int] = {}
         self.hedges: dict[int, int] = {}
@@ -201,12 +203,17 @@ class GoodputController:
 
     def turn_latency(self, seconds: float) -> None:
         self.turn_latencies.append(seconds)
+        self._new_latencies += 1
 
     def hedge_after(self) -> float | None:
-        """Seconds after which a turn may be hedged (None: not yet, or hedging is off)."""
+        """Seconds after which a turn may be hedged (None: not yet, or hedging is off).
+        Every turn asks; the percentile is recomputed after each 32 new latencies."""
         if not self.hedging:
             return None
-        return hedge_after(list(self.turn_latencies), self.knobs.hedge)
+        if self._new_latencies >= 32 or self._hedge_after is None:
+            self._new_latencies = 0
+            self._hedge_after = hedge_after(list(self.turn_latencies), self.knobs.hedge)
+        return self._hedge_after
 
     def hedge_due(self, rollout_id: str, step: int, running_s: float) -> bool:
         """Whether a turn of ``step`` running for ``running_s`` should be hedged now (and

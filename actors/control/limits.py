@@ -27,6 +27,7 @@ class _HostLimit:
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
+        self.told = int(limit)   # the limit last emitted
         self.in_flight = 0
         self.freed = asyncio.Event()
 
@@ -44,12 +45,17 @@ class CallLimits:
         self.timeouts = 0
         self._hosts: dict[str, _HostLimit] = {}
         self._told_deadline = configured_s
+        self._deadline: float | None = None   # cached until the next latency
 
     def deadline(self) -> float:
-        """The deadline of the next call (the configured one while adapting is off)."""
+        """The deadline of the next call (the configured one while adapting is off).
+        Every call asks; the percentile is recomputed when a call has ended since."""
         if not self.knobs.enabled:
             return self.configured_s
-        return adaptive_deadline(list(self.latencies), self.knobs, self.configured_s)
+        if self._deadline is None:
+            self._deadline = adaptive_deadline(list(self.latencies), self.knobs,
+                                               self.configured_s)
+        return self._deadline
 
     def limit(self, host: str) -> float:
         entry = self._hosts.get(host)
@@ -87,13 +93,16 @@ class CallLimits:
             self.timeouts += 1
         else:
             self.latencies.append(seconds)
+            self._deadline = None
         entry = self._hosts.setdefault(host, _HostLimit(float(self.knobs.max_concurrency)))
-        before = entry.limit
         entry.limit = aimd(entry.limit, congested, self.knobs)
-        if int(entry.limit) != int(before):
+        # Told when it has halved or doubled since last told: AIMD saws up and down by
+        # design, and each tooth is not news.
+        if not entry.told / 2 < int(entry.limit) < entry.told * 2:
+            entry.told = int(entry.limit)
             self.emit(Action(f"{self.domain}_concurrency", host,
                              ("the host is congested" if congested else
-                              "the host keeps up"), float(int(entry.limit))))
+                              "the host keeps up"), float(entry.told)))
         deadline = self.deadline()
         if abs(deadline - self._told_deadline) > 0.1 * self._told_deadline:
             self.emit(Action(f"{self.domain}_deadline", self.domain,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -58,32 +57,53 @@ async def race(stream: Callable[[bool], Awaitable[None]], turn: TurnTokens,
                hedge_due: Callable[[float], bool], not_before_s: float = 0.0) -> int:
     """Run ``stream(False)`` to the end of the turn, and ``stream(True)`` beside it once
     ``hedge_due(seconds running)`` says so; the first to finish wins and the other is
-    cancelled.  Returns the hedges started (0 or 1).  A stream that fails while the other
-    runs is dropped; the last one's error propagates.
+    cancelled (a first stream waiting on a stalled engine too).  Returns the hedges started
+    (0 or 1).  A stream that fails while the other runs is dropped; the last one's error
+    propagates.
 
     ``hedge_due`` is first asked after ``not_before_s`` (the straggler threshold), then every
-    :data:`POLL_S`: a turn that ends before the threshold never wakes up for it."""
-    started = time.monotonic()
-    tasks = {asyncio.ensure_future(stream(False))}
-    hedged = 0
+    :data:`POLL_S`, from a timer: a turn that ends before the threshold costs one task and
+    one timer, and never wakes up for it."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    primary = asyncio.ensure_future(stream(False))
+    hedge: asyncio.Future[None] | None = None
+
+    def hedge_done(task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            primary.cancel()   # the hedge finished the turn (a no-op if primary did)
+
+    def check() -> None:
+        nonlocal hedge, timer
+        if primary.done():
+            return
+        if hedge_due(loop.time() - started):
+            hedge = asyncio.ensure_future(stream(True))
+            hedge.add_done_callback(hedge_done)
+        else:
+            timer = loop.call_later(POLL_S, check)
+
+    def hedge_won() -> bool:
+        return hedge is not None and hedge.done() and not hedge.cancelled() \
+            and hedge.exception() is None
+
+    timer = loop.call_later(max(0.0, not_before_s), check)
     try:
-        while True:
-            wait_s = max(POLL_S, not_before_s - (time.monotonic() - started)) \
-                if not hedged else None
-            done, _ = await asyncio.wait(tasks, timeout=wait_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                tasks.discard(task)
-                error = task.exception()
-                if error is None:
-                    return hedged
-                if not tasks:
-                    raise error
-                log.debug("a stream of a hedged turn was dropped: %s", error)
-            if not hedged and hedge_due(time.monotonic() - started):
-                hedged = 1
-                tasks.add(asyncio.ensure_future(stream(True)))
+        try:
+            await primary
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if (task is not None and task.cancelling()) or not hedge_won():
+                raise   # our own cancellation, not the hedge's win
+        except Exception as error:
+            if hedge is None:
+                raise
+            log.debug("the first stream of a hedged turn was dropped: %s", error)
+            await hedge   # the hedge finishes the turn, or its error propagates
+        return 0 if hedge is None else 1
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        timer.cancel()
+        others = [t for t in (primary, hedge) if t is not None and not t.done()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)

@@ -5,6 +5,7 @@ loser is cancelled and aborted, and a hedge that diverges is dropped."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -21,9 +22,11 @@ BUDGET = 20
 class Engine:
     """``delay_s`` per token, or ``fast_first`` tokens of a stream at 1 ms first."""
 
-    def __init__(self, path: str, delay_s: float, offset: int = 0, fast_first: int = 0) -> None:
+    def __init__(self, path: str, delay_s: float, offset: int = 0, fast_first: int = 0,
+                 stall_after: int | None = None) -> None:
         self.path, self.incarnation, self.delay_s, self.offset = path, 0, delay_s, offset
         self.fast_first = fast_first
+        self.stall_after = stall_after   # positions after which it never sends again
         self.aborted: list[str] = []
         self.actor = SimpleNamespace(abort=SimpleNamespace(remote=self.aborted.append))
 
@@ -48,6 +51,8 @@ class Batcher:
         start = len(request["prefix_ids"])
         end = start + request["max_new_tokens"]
         for pos in range(start, end):
+            if engine.stall_after is not None and pos >= engine.stall_after:
+                await asyncio.sleep(3600)   # a stalled engine: its stream just stops
             await asyncio.sleep(0.001 if pos - start < engine.fast_first else engine.delay_s)
             yield {"request_id": request["request_id"], "start": pos,
                    "token_ids": [100 + pos + engine.offset], "logprobs": [-0.5], "version": 1,
@@ -106,12 +111,23 @@ def test_the_hedge_wins_each_position_is_journaled_once_and_the_loser_is_aborted
     assert len(hedge_chunks) == 1 and hedge_chunks[0].data["engine"] == "e1"
 
 
+def test_a_hedge_that_wins_does_not_wait_for_a_stalled_first_stream() -> None:
+    slow, fast = Engine("e0", 0.01, stall_after=3), Engine("e1", 0.002)
+    started = time.monotonic()
+    runner, sink, tokens = generate(slow, fast)
+    assert time.monotonic() - started < 5.0
+    assert tokens == [100 + i for i in range(BUDGET)] and positions(sink) == list(range(BUDGET))
+    assert slow.aborted and runner.hedges == 1
+
+
 def test_a_hedge_that_diverges_leaves_one_consistent_sequence() -> None:
     # The hedge samples other tokens (another weights version, say), runs ahead for a few
     # positions, then falls behind.  The first stream meets the hedge's tokens where they
     # differ and is dropped: the turn is the first stream's tokens up to the hedge's start
     # and the hedge's after it, never a mix (which a merge without the check would make).
-    slow, fast = Engine("e0", 0.01), Engine("e1", 0.03, offset=1000, fast_first=4)
+    # The first stream sends at 20, 40, 60 ms; the hedge starts at 50 ms (hedge_after) and
+    # sends its first four tokens within 5 ms: it reaches position 2 first.
+    slow, fast = Engine("e0", 0.02), Engine("e1", 0.03, offset=1000, fast_first=4)
     runner, sink, tokens = generate(slow, fast)
     assert positions(sink) == list(range(BUDGET))
     switch = next((i for i, t in enumerate(tokens) if t >= 1000), BUDGET)
