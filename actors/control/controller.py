@@ -181,6 +181,14 @@ class GoodputController:
             state.rates.append(tokens / seconds)
             del state.rates[:-self.knobs.engine.window]
 
+    def stream_cut(self, engine: str, tokens: int, seconds: float) -> None:
+        """A stream cancelled because the other copy of its hedged turn finished first: its
+        rate so far (0 for an engine that sent nothing) is a sample like a finished one's."""
+        state = self.engines.get(engine)
+        if state is not None and seconds >= 0.05:
+            state.rates.append(tokens / seconds)
+            del state.rates[:-self.knobs.engine.window]
+
     def stream_failed(self, engine: str) -> None:
         """A live engine failed a stream.  The streams of one failed call fail together:
         they count once per second."""

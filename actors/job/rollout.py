@@ -512,6 +512,11 @@ class RolloutRunner:
                         self._abort(engine, request.request_id)
             except asyncio.CancelledError:   # the other stream of a hedged turn won
                 self._abort(engine, request.request_id)
+                if self.control is not None and got.done:
+                    # What it managed until then is its engine's rate too: a slow engine
+                    # whose streams are all hedged must still be judged slow.
+                    self.control.stream_cut(engine.path, streamed,
+                                            time.monotonic() - dispatched_at)
                 raise
             except CHILD_GONE as exc:
                 traj.resumed += 1

@@ -19,9 +19,9 @@ from erlay.supervisor.events import EventKind, read_events
 
 pytestmark = pytest.mark.ray
 
-# Sized to decide within a short job: judged after 2 streams, slow at the first judgement,
+# Sized to decide within a short job: judged after 4 streams, slow at 3 judgements in a row,
 # hedged after 8 turns; the rest is the shipped controller.
-AGGRESSIVE = ["control.engine.min_samples=2", "control.engine.slow_ticks=1",
+AGGRESSIVE = ["control.engine.min_samples=4", "control.engine.slow_ticks=3",
               "control.hedge.min_samples=8", "control.hedge.floor_s=0.05",
               "control.hedge.factor=1.0", "control.hedge.percentile=0.5",
               "control.hedge.tail_fraction=0.5", "control.sandbox.min_samples=5"]

@@ -63,6 +63,7 @@ class Batcher:
 class Control:
     def __init__(self) -> None:
         self.due = 0
+        self.cut: list[tuple[str, int]] = []
 
     def hedge_after(self) -> float:
         return 0.05
@@ -76,6 +77,9 @@ class Control:
 
     def stream_failed(self, engine: str) -> None:
         pass
+
+    def stream_cut(self, engine: str, tokens: int, seconds: float) -> None:
+        self.cut.append((engine, tokens))
 
 
 def generate(slow: Engine, fast: Engine) -> tuple[RolloutRunner, MemoryTransitions, list[int]]:
@@ -118,6 +122,8 @@ def test_a_hedge_that_wins_does_not_wait_for_a_stalled_first_stream() -> None:
     assert time.monotonic() - started < 5.0
     assert tokens == [100 + i for i in range(BUDGET)] and positions(sink) == list(range(BUDGET))
     assert slow.aborted and runner.hedges == 1
+    # The stalled engine's cut stream still counts against it: 3 tokens in its time.
+    assert runner.control.cut == [("e0", 3)]  # type: ignore[union-attr]
 
 
 def test_a_hedge_that_diverges_leaves_one_consistent_sequence() -> None:
