@@ -110,6 +110,21 @@ def measure(name: str, pairs: int, parent: Path, smoke: bool,
             "actions_when_off": sum(sum(r["actions"].values()) for r in runs[False])}
 
 
+def ceiling(results: dict[str, Any]) -> None:
+    """What the controller could gain at most, where the bench measured it: slow_engine's
+    job fault-free (``fault_free`` runs it) over slow_engine with the controller off; and
+    the share of what the fault cost that the controller won back.  Added to slow_engine's
+    figures, printed under the table."""
+    slow, clean = results.get("slow_engine"), results.get("fault_free")
+    if slow is None or clean is None:
+        return
+    off, on, best = slow["off"]["median"], slow["on"]["median"], clean["off"]["median"]
+    slow["ceiling"] = round(best / off, 4)
+    slow["recovered"] = round((on - off) / (best - off), 4) if best > off else None
+    print(f"slow_engine: the most any routing could gain here (fault-free / off) is "
+          f"{slow['ceiling']:.3f}; the controller won back {slow['recovered']} of the loss")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
@@ -141,6 +156,7 @@ def main() -> int:
               f"{'':>3s} {'>= ' + str(TARGETS[name]):>7s} {r['on']['median']:>9.1f} "
               f"{r['off']['median']:>9.1f} {r['lost']:>5d} {r['trained_twice']:>5d}  "
               f"{r['actions']}")
+    ceiling(results)
     print(f"load average (1 min) at start and after each scenario: {load}; runs in {parent}")
     print(json.dumps({"scenarios": results, "load": load, "pairs": pairs,
                       "smoke": args.smoke}))

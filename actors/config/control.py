@@ -76,7 +76,10 @@ class CallControl(_Section):
     window: int = Field(256, ge=8, description="recent call latencies kept")
     min_concurrency: int = Field(1, ge=1, description="AIMD: the concurrency never falls "
                                  "below this")
-    max_concurrency: int = Field(64, ge=1, description="AIMD: nor rises above this")
+    max_concurrency: int = Field(1024, ge=1, description="AIMD: nor rises above this, "
+                                 "where a host starts: only congestion lowers it (a step's "
+                                 "calls to a host travel together, so a low start would "
+                                 "split them into rounds)")
     increase: float = Field(1.0, gt=0, description="AIMD: added per call that met its deadline, "
                             "divided by the current limit (one per round of calls)")
     decrease: float = Field(0.5, gt=0, lt=1, description="AIMD: the limit is multiplied by "

@@ -14,6 +14,7 @@ the configured deadline and no limit.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -21,15 +22,26 @@ from contextlib import asynccontextmanager
 from erlay.actors.config.control import CallControl
 from erlay.actors.control.policy import Action, adaptive_deadline, aimd
 
+TELL_EVERY_S = 10.0
+
 
 class _HostLimit:
-    """One host's AIMD limit and the calls holding its slots."""
+    """One host's AIMD limit, the calls holding its slots, and those waiting for one (woken
+    one at a time, first come first served)."""
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
-        self.told = int(limit)   # the limit last emitted
+        self.told = int(limit)   # the limit last emitted, and when
+        self.told_at = -TELL_EVERY_S
         self.in_flight = 0
-        self.freed = asyncio.Event()
+        self.waiting: deque[asyncio.Future[None]] = deque()
+
+    def wake(self) -> None:
+        while self.waiting and self.in_flight < int(self.limit):
+            waiter = self.waiting.popleft()
+            if not waiter.done():
+                self.in_flight += 1   # handed over: the waiter holds it when it wakes
+                waiter.set_result(None)
 
 
 class CallLimits:
@@ -63,22 +75,31 @@ class CallLimits:
 
     @asynccontextmanager
     async def slot(self, host: str) -> AsyncIterator[None]:
-        """Hold one of ``host``'s slots for the call made inside."""
+        """Hold one of ``host``'s slots for the call made inside; wait for one while the
+        host's limit is reached (never while nothing holds one, so never forever)."""
         if not self.knobs.enabled:
             yield
             return
         entry = self._hosts.get(host)
         if entry is None:
             entry = self._hosts[host] = _HostLimit(float(self.knobs.max_concurrency))
-        while entry.in_flight >= int(entry.limit) and entry.in_flight > 0:
-            entry.freed.clear()
-            await entry.freed.wait()
-        entry.in_flight += 1
+        if entry.in_flight < max(1, int(entry.limit)) and not entry.waiting:
+            entry.in_flight += 1
+        else:
+            waiter = asyncio.get_running_loop().create_future()
+            entry.waiting.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    entry.in_flight -= 1   # it was handed a slot it will not use
+                    entry.wake()
+                raise
         try:
             yield
         finally:
             entry.in_flight -= 1
-            entry.freed.set()
+            entry.wake()
 
     def record(self, host: str, seconds: float, *, timed_out: bool,
                congested: bool = False) -> None:
@@ -96,10 +117,12 @@ class CallLimits:
             self._deadline = None
         entry = self._hosts.setdefault(host, _HostLimit(float(self.knobs.max_concurrency)))
         entry.limit = aimd(entry.limit, congested, self.knobs)
-        # Told when it has halved or doubled since last told: AIMD saws up and down by
-        # design, and each tooth is not news.
-        if not entry.told / 2 < int(entry.limit) < entry.told * 2:
-            entry.told = int(entry.limit)
+        # Told when it has halved or doubled since last told, at most once per TELL_EVERY_S
+        # a host: AIMD saws up and down by design, and each tooth is not news.
+        now = time.monotonic()
+        if not entry.told / 2 < int(entry.limit) < entry.told * 2 \
+                and now - entry.told_at >= TELL_EVERY_S:
+            entry.told, entry.told_at = int(entry.limit), now
             self.emit(Action(f"{self.domain}_concurrency", host,
                              ("the host is congested" if congested else
                               "the host keeps up"), float(entry.told)))
