@@ -14,7 +14,10 @@ with erlay's local recovery.  Prints the report table, then one JSON object as t
 - the samples not trained, by reason (``not_trained_*``)
 - ``recovery_ms_p50``, ``recovery_ms_p99``: injection until the target child served again
 
-    python bench/chaos_goodput.py [--scenario mixed-soak]
+    python bench/chaos_goodput.py [--scenario mixed-soak] [--runs 3]
+
+With ``--runs N`` the scenario and its baselines run N times; the last line then holds the
+counts summed over the runs and each ratio and rate as median/min/max/runs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,8 @@ from erlay.chaos.runner import ChaosResult, run_scenario
 from erlay.chaos.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runstats import spread  # noqa: E402 - bench/ is on sys.path when run as a script
 
 
 def figures(result: ChaosResult) -> dict[str, Any]:
@@ -67,21 +74,60 @@ def _round(value: Any, digits: int = 3) -> Any:
     return round(value, digits) if isinstance(value, float) else value
 
 
+TARGETS = {"rollouts_lost": "0", "trained_twice": "0", "orphans": "0",
+           "goodput_vs_fault_free": ">= 0.90", "goodput_vs_job_restart": ">= 2"}
+# Figures summed over the runs (a count that must be 0 in every run), and those reported as
+# median (min-max) over the runs.
+SUMMED = ("faults_injected", "faults_detected", "faults_recovered", "rollouts_lost",
+          "trained_twice", "orphans")
+SPREAD = ("goodput_vs_fault_free", "goodput_vs_job_restart", "goodput_tokens_per_s",
+          "fault_free_goodput_tokens_per_s", "job_restart_goodput_tokens_per_s",
+          "recovery_ms_p50", "recovery_ms_p99")
+
+
+def combine(runs: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
+    """The figures of ``runs`` (each :func:`figures`): counts summed, ratios and rates as
+    median/min/max/runs, each run's own figures kept under ``runs``."""
+    out: dict[str, Any] = {"runs": len(runs), "load": loads}
+    for key in SUMMED:
+        values = [r[key] for r in runs]
+        out[key] = None if any(v is None for v in values) else sum(values)
+    for key in SPREAD:
+        values = [r[key] for r in runs if isinstance(r.get(key), int | float)]
+        out[key] = spread(values, digits=3) if values else None
+    out["statuses"] = [r["status"] for r in runs]
+    out["invariants_failed"] = sorted({name for r in runs for name in r["invariants_failed"]})
+    out["each"] = runs
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenario", default="mixed-soak")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="invocations of the scenario and its baselines (medians with "
+                        "their spread when more than one)")
     args = parser.parse_args()
     logging.getLogger("erlay").setLevel(logging.ERROR)
     scenario = load_scenario(args.scenario)
-    parent = Path(tempfile.mkdtemp(prefix="erlay-chaos-bench-"))
-    result = run_scenario(scenario, parent=parent, say=lambda line: print(line, flush=True))
-    out = figures(result)
-    targets = {"rollouts_lost": "0", "trained_twice": "0", "orphans": "0",
-               "goodput_vs_fault_free": ">= 0.90", "goodput_vs_job_restart": ">= 2"}
-    print(f"report: {result.report_paths[1]}")
-    print(f"{'figure':28s} {'measured':>12}  target")
-    for key, value in out.items():
-        print(f"{key:28s} {value!s:>12}  {targets.get(key, '')}")
+    runs, loads = [], [round(os.getloadavg()[0], 2)]
+    for i in range(args.runs):
+        parent = Path(tempfile.mkdtemp(prefix="erlay-chaos-bench-"))
+        result = run_scenario(scenario, parent=parent,
+                              say=lambda line: print(line, flush=True))
+        runs.append(figures(result))
+        loads.append(round(os.getloadavg()[0], 2))
+        print(f"run {i}: report {result.report_paths[1]}", flush=True)
+        print(f"{'figure':28s} {'measured':>12}  target")
+        for key, value in runs[-1].items():
+            print(f"{key:28s} {value!s:>12}  {TARGETS.get(key, '')}")
+    if args.runs == 1:
+        print(json.dumps(runs[0]))
+        return
+    out = combine(runs, loads)
+    print(f"\nover {args.runs} runs (load average at start and after each: {loads})")
+    for key in (*SUMMED, *SPREAD):
+        print(f"{key:34s} {out[key]!s:>50}  {TARGETS.get(key, '')}")
     print(json.dumps(out))
 
 

@@ -46,7 +46,8 @@ def _context(reported: int) -> CoordinatorContext:
         paths=DomainPaths([], [], [], [], [], []), journal=None, sink=NullTransitions(),
         tokenizer=None, max_seq_len=0, validation_rows=0,  # type: ignore[arg-type]
         observer=None, report=lambda record: None, abort=lambda reason: None,
-        checkpoint_failed=lambda step, reason: None, training_ended=lambda step: None)
+        checkpoint_failed=lambda step, reason: None, training_ended=lambda step: None,
+        control=lambda action: None)
 
 
 class _Runner:
