@@ -57,6 +57,7 @@ class CallLimits:
         self.timeouts = 0
         self._hosts: dict[str, _HostLimit] = {}
         self._told_deadline = configured_s
+        self._told_deadline_at = -TELL_EVERY_S
         self._deadline: float | None = None   # cached until the next latency
 
     def deadline(self) -> float:
@@ -127,7 +128,9 @@ class CallLimits:
                              ("the host is congested" if congested else
                               "the host keeps up"), float(entry.told)))
         deadline = self.deadline()
-        if abs(deadline - self._told_deadline) > 0.1 * self._told_deadline:
+        if abs(deadline - self._told_deadline) > 0.1 * self._told_deadline \
+                and now - self._told_deadline_at >= TELL_EVERY_S:
+            self._told_deadline_at = now
             self.emit(Action(f"{self.domain}_deadline", self.domain,
                              f"p{self.knobs.deadline_percentile * 100:g} of the last "
                              f"{len(self.latencies)} calls x{self.knobs.deadline_multiplier:g}, "
