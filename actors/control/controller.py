@@ -87,6 +87,7 @@ class GoodputController:
         self.sandbox = CallLimits("sandbox", knobs.sandbox, sandbox_deadline_s, self.emit)
         self.judge = CallLimits("judge", knobs.judge, judge_deadline_s, self.emit)
         self._task: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
 
     def emit(self, action: Action) -> None:
         self.actions.append(action)
@@ -144,8 +145,10 @@ class GoodputController:
                     continue
                 state.restarting = True
                 self.avoided = self.avoided | {action.target}   # drained: no new rollouts
-                asyncio.get_running_loop().create_task(self._restart(action),
-                                                       name=f"control-restart:{action.target}")
+                task = asyncio.get_running_loop().create_task(
+                    self._restart(action), name=f"control-restart:{action.target}")
+                self._restarts.add(task)   # the loop keeps only weak references to tasks
+                task.add_done_callback(self._restarts.discard)
             self.emit(action)
 
     async def _restart(self, action: Action) -> None:
