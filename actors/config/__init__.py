@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from erlay.actors.config.control import ControlSection
 from erlay.actors.config.data import DataSection
+from erlay.actors.config.handoff import KVHandoffSection
 from erlay.actors.config.learner import LearnerSection
 from erlay.actors.config.logging import LoggingSection
 from erlay.supervisor.errors import ErlayError
@@ -207,6 +208,7 @@ class EngineSection(Section):
         "likely token) or sample (a draw from the head); either way the output is what "
         "spec_verify makes it, only the acceptance rate differs")
     vllm: VllmSection = VllmSection()
+    kv_handoff: KVHandoffSection = KVHandoffSection()
 
 
 class WarmStartSection(Section):

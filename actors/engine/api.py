@@ -117,6 +117,10 @@ class GenerationRequest:
     prefix_ids: tuple[int, ...] = ()  # tokens of THIS completion already generated (resume)
     stop_ids: tuple[int, ...] = (2,)  # EOS by default; also stop on any id listed
     chunk_tokens: int = 8         # emit a chunk at least every this many tokens
+    # The caller's name for this work, the same on every attempt at it: an engine with KV
+    # hand-off saves the request's cache under it, and one that takes the request over
+    # (with the tokens received as prefix_ids) loads that cache (engine.kv_handoff).
+    kv_key: str | None = None
     trace: dict[str, str] | None = field(default=None, compare=False)  # W3C trace context
 
     def __post_init__(self) -> None:
@@ -183,6 +187,11 @@ class TokenChunk:
     for backends that do both in one step), and ``sent`` this chunk.  Monotonic clocks are
     per machine, so these compare with the caller's only on the same node; a backend may
     leave it None.  It is how the replay bench splits a resume into stages.
+
+    ``kv_handoff`` is bookkeeping, on the first chunk of a request that came with a ``kv_key``
+    and a prefix to an engine with KV hand-off: how its cache was restored, one of
+    :data:`erlay.actors.engine.kv_handoff.REASONS` (``adopted``/``partial``: from the cache a
+    failed engine saved; otherwise why it was prefilled again).
     """
 
     request_id: str
@@ -194,6 +203,7 @@ class TokenChunk:
     finish_reason: str | None = None  # a FinishReason value when finished
     prefill_tokens: int = field(default=0, compare=False)
     timing: dict[str, float] | None = field(default=None, compare=False)
+    kv_handoff: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))

@@ -41,6 +41,7 @@ sets ``torch.set_default_device("cuda")`` before building the model decodes on t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -81,6 +82,22 @@ def drafts_for_step(spec_k: int, running: int, max_concurrency: int) -> int:
     return spec_k if spec_k and (not max_concurrency or running <= max_concurrency) else 0
 
 
+@dataclass(frozen=True)
+class Adoption:
+    """Saved KV caches that some sequences resume from (``request_ids``, in order), laid out
+    as a prefill's would be: each layer's keys and values ``[R, heads, width, head_dim]``
+    with row ``i``'s first ``positions[i]`` context positions right-aligned, their key mask
+    ``[R, width]``, and ``hidden`` ``[R, D]``, the state after each row's last position where
+    ``whole[i]`` (its cache is its whole context), else unused."""
+
+    request_ids: list[str]
+    cache: KVCache
+    mask: torch.Tensor
+    positions: list[int]
+    hidden: torch.Tensor
+    whole: list[bool]
+
+
 class Sequence:
     """One request's decoding state.
 
@@ -103,6 +120,9 @@ class Sequence:
         # Context tokens prefilled since the last chunk: reported on the next one
         # (TokenChunk.prefill_tokens), so a caller learns what admitting it cost.
         self.prefill_unreported = 0
+        # How a resumed request's cache was restored (a kv_handoff REASONS value), reported
+        # on its first chunk (TokenChunk.kv_handoff); None when no hand-off was tried.
+        self.handoff: str | None = None
         if request.prefix_ids and request.prefix_ids[-1] in request.stop_ids:
             # The completion already ended before the interruption; nothing left to generate.
             self.finish_reason = FinishReason.STOP
@@ -159,6 +179,11 @@ class Sequence:
         if self.finish_reason is None:
             self.finish_reason = reason
 
+    @property
+    def chunk_due(self) -> bool:
+        """A chunk will be taken after this step: the points where the caller journals."""
+        return self.finished or len(self._unstreamed_logprobs) >= self.request.chunk_tokens
+
     def take_chunk(self, version: int, *, flush: bool = False) -> TokenChunk | None:
         """The next chunk to stream, or None when there is nothing to send yet.
 
@@ -174,10 +199,12 @@ class Sequence:
         chunk = TokenChunk(self.request_id, self.chunk_start,
                            tuple(self.completion[self.chunk_start:]),
                            tuple(self._unstreamed_logprobs), version, self.finished,
-                           self.finish_reason, prefill_tokens=self.prefill_unreported)
+                           self.finish_reason, prefill_tokens=self.prefill_unreported,
+                           kv_handoff=self.handoff)
         self.chunk_start = len(self.completion)
         self._unstreamed_logprobs = []
         self.prefill_unreported = 0
+        self.handoff = None
         self.closed = self.finished
         return chunk
 
@@ -238,39 +265,102 @@ class DecodeBatch:
         self.accepted = 0
         self.drafted_at: list[int] = []    # the same per draft position (0: the first draft)
         self.accepted_at: list[int] = []
+        # The token each row was fed in the last step, when it was a plain step (one new
+        # cache slot per row, the last): what the KV hand-off saves without a row loop.
+        self.fed: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @torch.inference_mode()
-    def admit(self, seqs: list[Sequence]) -> None:
-        """Prefill ``seqs`` and add them to the batch; each gets its next-token logits."""
+    def admit(self, seqs: list[Sequence], adoption: Adoption | None = None) -> None:
+        """Prefill ``seqs`` and add them to the batch; each gets its next-token logits.
+
+        The sequences ``adoption`` names start from saved caches of their first context
+        positions instead (:mod:`erlay.actors.engine.kv_handoff`): only the positions a cache
+        lacks are prefilled, none when it is the whole context."""
         if not seqs:
             return
         if any(s.finished for s in seqs):
             raise ValueError("a finished sequence cannot be admitted")
-        contexts = [s.context for s in seqs]
-        for seq, context in zip(seqs, contexts, strict=True):
-            seq.prefill_unreported += len(context)   # no prefix cache: all of it
-        tokens, positions, mask = left_pad(contexts)
-        buffer = KVBuffer.empty(mask)
+        adopted = set(adoption.request_ids) if adoption is not None else set()
+        fresh = [s for s in seqs if s.request_id not in adopted]
+        if fresh:
+            contexts = [s.context for s in fresh]
+            for seq, context in zip(fresh, contexts, strict=True):
+                seq.prefill_unreported += len(context)   # no prefix cache: all of it
+            tokens, positions, mask = left_pad(contexts)
+            buffer = KVBuffer.empty(mask)
+            hidden, _ = self.model.hidden(tokens, positions, mask, buffer)
+            self._merge(buffer, mask, hidden[:, -1])
+            self.rows.extend(fresh)
+        if adoption is not None:
+            by_id = {s.request_id: s for s in seqs}
+            resumed = [by_id[r] for r in adoption.request_ids]
+            buffer, next_hidden = self._resume(resumed, adoption)
+            self._merge(buffer, buffer.mask[:, :buffer.width], next_hidden)
+            self.rows.extend(resumed)
+
+    def _resume(self, seqs: list[Sequence], adoption: Adoption
+                ) -> tuple[KVBuffer, torch.Tensor]:
+        """The cache of ``seqs`` rebuilt from ``adoption``, the rest of each context
+        prefilled in one pass (a row's padding sits between its cache and its rest); and
+        the hidden states their next tokens follow from."""
+        rests = []
+        for seq, n, whole in zip(seqs, adoption.positions, adoption.whole, strict=True):
+            context = seq.context
+            if not 0 < n <= len(context) or (whole and n != len(context)) or \
+                    (not whole and n == len(context)):
+                raise ValueError(f"{seq.request_id}: an adopted cache of {n} positions "
+                                 f"(whole={whole}) for a context of {len(context)}")
+            rests.append(context[n:])
+        buffer = KVBuffer.from_cache(adoption.cache, adoption.mask)
+        t = max(len(r) for r in rests)
+        if t == 0:
+            return buffer, adoption.hidden
+        width = buffer.width
+        mask = buffer.reserve(t)
+        tokens = torch.zeros((len(seqs), t), dtype=torch.long)
+        positions = torch.zeros((len(seqs), t), dtype=torch.long)
+        for i, (rest, n) in enumerate(zip(rests, adoption.positions, strict=True)):
+            pad = t - len(rest)
+            mask[i, width:width + pad] = False
+            if rest:
+                tokens[i, pad:] = torch.tensor(rest)
+                positions[i, pad:] = torch.arange(n, n + len(rest))
+            seqs[i].prefill_unreported += len(rest)
         hidden, _ = self.model.hidden(tokens, positions, mask, buffer)
-        next_hidden = hidden[:, -1]
+        whole = torch.tensor(adoption.whole)[:, None]
+        return buffer, torch.where(whole, adoption.hidden.to(hidden.dtype), hidden[:, -1])
+
+    def _merge(self, buffer: KVBuffer, mask: torch.Tensor, next_hidden: torch.Tensor) -> None:
+        """Add prefilled rows (their cache ``buffer`` with key mask ``mask``) to the batch."""
         next_logits = self.model.head(next_hidden)
         if self._cache is None or self._next_logits is None or self._next_hidden is None:
             self._cache = buffer
             self._next_logits, self._next_hidden = next_logits, next_hidden
-        else:
-            old = self._cache
-            width = max(old.width, mask.shape[1])
-            old_cache, old_mask = _pad_left(old.legacy(), old.mask[:, :old.width], width)
-            new_cache, new_mask = _pad_left(buffer.legacy(), mask, width)
-            merged = [(torch.cat([ko, kn]), torch.cat([vo, vn]))
-                      for (ko, vo), (kn, vn) in zip(old_cache, new_cache, strict=True)]
-            self._cache = KVBuffer.from_cache(merged, torch.cat([old_mask, new_mask]))
-            self._next_logits = torch.cat([self._next_logits, next_logits])
-            self._next_hidden = torch.cat([self._next_hidden, next_hidden])
-        self.rows.extend(seqs)
+            return
+        old = self._cache
+        width = max(old.width, mask.shape[1])
+        old_cache, old_mask = _pad_left(old.legacy(), old.mask[:, :old.width], width)
+        new_cache, new_mask = _pad_left(buffer.legacy(), mask, width)
+        merged = [(torch.cat([ko, kn]), torch.cat([vo, vn]))
+                  for (ko, vo), (kn, vn) in zip(old_cache, new_cache, strict=True)]
+        self._cache = KVBuffer.from_cache(merged, torch.cat([old_mask, new_mask]))
+        self._next_logits = torch.cat([self._next_logits, next_logits])
+        self._next_hidden = torch.cat([self._next_hidden, next_hidden])
+
+    def kv_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor,
+                                torch.Tensor, int]:
+        """The cache as it stands, for reading between steps (no copies): each layer's keys
+        and values ``[B, heads, capacity, head_dim]`` and the key mask ``[B, capacity]``
+        (False: padding or a rejected draft), of which the first ``width`` slots are in use
+        (the last value), and the hidden states the rows' next tokens follow from ``[B, D]``.
+        A slot once written is never written again, so a view of the used slots stays
+        valid through later steps."""
+        assert self._cache is not None and self._next_hidden is not None
+        cache = self._cache
+        return cache.keys, cache.values, cache.mask, self._next_hidden, cache.width
 
     @torch.inference_mode()
     def step(self, k: int = 0, verify: Verify = "coupled",
@@ -284,6 +374,7 @@ class DecodeBatch:
         """
         if not self.rows:
             return []
+        self.fed = None
         if k > 0 and len(self.model.mtp) > 0:
             return self._speculate(min(k, len(self.model.mtp)), verify, draft)
         assert self._next_logits is not None
@@ -328,6 +419,7 @@ class DecodeBatch:
                                   for s in self.rows])[:, None]
         mask = self._cache.reserve(1)
         hidden, _ = self.model.hidden(tokens, positions, mask, self._cache)
+        self.fed = tokens[:, 0]
         self._next_hidden = hidden[:, -1]
         self._next_logits = self.model.head(self._next_hidden)
 

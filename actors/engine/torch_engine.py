@@ -32,6 +32,16 @@ Contracts:
 - **Failure**: if the decode loop raises, every held request fails with
   :class:`~erlay.actors.engine.api.EngineFailed`, later calls are refused, and ``erlay_wait``
   returns an error exit so the supervisor restarts the engine (let it crash).
+- **KV hand-off** (``kv_handoff``: the run's node-local directory and the node's byte budget;
+  :mod:`erlay.actors.engine.kv_saver`): after each step, in the step's worker thread and
+  before their chunks stream, the requests with a ``kv_key`` whose chunk is due have their
+  new cache positions saved in the node's slab (after admission, their whole context); a
+  request admitted with a ``kv_key`` whose cache another engine on the node saved at the
+  served version resumes from it, prefilling only what it lacks, and its first chunk says
+  which path it took (``TokenChunk.kv_handoff``).  A request's slot is freed when it
+  finishes or its caller aborts it; a polite shutdown keeps the slab for adopters.  If the
+  slab cannot be made (no such directory, a dtype it cannot hold) the engine says so once
+  and decodes without it.
 - **Fault injection**: the failpoints ``generation.decode_step`` (each step, in its phase) and
   ``generation.weight_update`` (before a load) of :mod:`erlay.supervisor.failpoints`.  A ``raise``
   fails the decode loop as above; a ``hang`` stalls only the decode loop, so the actor still
@@ -48,6 +58,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +75,7 @@ from erlay.actors.engine.api import (
     drain_chunks,
 )
 from erlay.actors.engine.core import DecodeBatch, Sequence, drafts_for_step, validate_request
+from erlay.actors.engine.kv_saver import KVHandoff
 from erlay.actors.engine.tail import TailWindow
 from erlay.actors.model.build import Policy, build_policy, load_engine_state
 from erlay.supervisor import failpoints, telemetry
@@ -111,6 +123,26 @@ def check_state(model: Policy, state: dict[str, Any]) -> None:
                               f"unexpected {unexpected[:5]}, reshaped {reshaped[:5]}")
 
 
+def _handoff(model: Policy, options: dict[str, Any] | None, slots: int) -> KVHandoff | None:
+    """The engine's KV hand-off from ``options`` (``dir``: the run's node-local directory,
+    ``budget_bytes``), or None: off, or it cannot work here (said once; decoding goes on)."""
+    if not options:
+        return None
+    node = "local"
+    try:
+        import ray
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray: one node
+        pass
+    try:
+        return KVHandoff(model, Path(options["dir"]) / node, int(options["budget_bytes"]),
+                         slots)
+    except (OSError, ValueError) as exc:
+        log.warning("KV hand-off is off for this engine: %s", exc)
+        return None
+
+
 def _load(model: Policy, state: dict[str, Any]) -> None:
     arrays = {k: np.asarray(v) for k, v in state.items()}
     # Arrays from the Ray object store are read-only, and torch warns on wrapping those.
@@ -126,7 +158,7 @@ class TorchEngine:
                  torch_threads: int = 1, initial_state: dict[str, Any] | None = None,
                  version: int = 0, seed: int = 0, spec_k: int = 0,
                  spec_max_concurrency: int = 0, spec_verify: str = "coupled",
-                 spec_draft: str = "argmax") -> None:
+                 spec_draft: str = "argmax", kv_handoff: dict[str, Any] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if spec_k and not model_config.get("mtp_heads"):
@@ -164,6 +196,11 @@ class TorchEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._phase: tuple[str, str | None] | None = None
         self._counters = _Counters()
+        self._handoff = _handoff(self.model, kv_handoff, max_batch)
+        self._kv_drop: list[Sequence] = []   # aborted while pending: freed between steps
+        self._kv_done: list[Sequence] = []   # finished in the last step: freed in the next
+        self._decode_seconds = 0.0           # wall time in decode steps (tail_report)
+        self._reported = (0.0, 0.0)          # decode and save seconds at the last report
         # Torch and the model are long-lived: frozen, the collector's full passes skip them
         # instead of pausing the decode loop's event loop for each (see VllmEngine).
         gc.collect()
@@ -238,6 +275,13 @@ class TorchEngine:
         batch = self._batch
         report = self._tail.report(drafted=batch.drafted, accepted=batch.accepted)
         self._tail = TailWindow(batch.drafted, batch.accepted)
+        # Decode wall time, and the part of it spent saving KV caches for hand-off.
+        saved = self._handoff.save_seconds if self._handoff is not None else 0.0
+        report["decode_s"] = round(self._decode_seconds - self._reported[0], 4)
+        report["kv_save_s"] = round(saved - self._reported[1], 4)
+        self._reported = (self._decode_seconds, saved)
+        if self._handoff is not None:
+            report["kv_handoff"] = self._handoff.stats()
         return report
 
     async def stats(self) -> dict[str, Any]:
@@ -300,6 +344,7 @@ class TorchEngine:
         if seq in self._pending:
             self._pending.remove(seq)
             seq.finish(FinishReason.ABORT)
+            self._kv_drop.append(seq)   # a slot of its own if a weight update requeued it
             self._publish(seq)
         else:
             # In the batch: a worker thread may be stepping it, so only the loop may finish it.
@@ -342,9 +387,10 @@ class TorchEngine:
         self._set_phase("decode_step", f"{len(batch) + len(admitted) + len(self._pending)} "
                                        "requests")
         await afailpoint("generation.decode_step")
+        began = time.monotonic()
         if admitted:
             self._stamp(admitted, "admitted")
-            await asyncio.to_thread(batch.admit, admitted)
+            await asyncio.to_thread(self._admit, admitted)
             self._stamp(admitted, "prefilled")
             self._counters.waves += 1
             self.progress.tick()
@@ -352,8 +398,8 @@ class TorchEngine:
         self._counters.max_batch_size = max(self._counters.max_batch_size, len(rows))
         k = drafts_for_step(self.spec_k, len(rows), self.spec_max_concurrency)
         before = sum(seq.generated for seq in rows)
-        await asyncio.to_thread(batch.step, k, self.spec_verify,  # type: ignore[arg-type]
-                                self.spec_draft)
+        await asyncio.to_thread(self._step, k)
+        self._decode_seconds += time.monotonic() - began
         made = sum(seq.generated for seq in rows) - before
         self._counters.decode_steps += 1
         self._counters.tokens_generated += made
@@ -365,12 +411,43 @@ class TorchEngine:
         for seq in rows:
             self._publish(seq)
 
+    def _admit(self, seqs: list[Sequence]) -> None:
+        """Admit ``seqs`` to the batch (worker thread), from saved KV caches where a failed
+        engine left them (:mod:`erlay.actors.engine.kv_saver`)."""
+        handoff = self._handoff
+        adopted = handoff.adopt(seqs, self._version) if handoff is not None else None
+        self._batch.admit(seqs, adopted)
+        if handoff is not None:
+            handoff.save(self._batch, self._version, admitted=seqs)
+
+    def _step(self, k: int) -> None:
+        """One decode step (worker thread), then the KV hand-off's save of the requests
+        whose chunks are due, before the loop streams them."""
+        handoff = self._handoff
+        if handoff is not None:
+            # Freed one step late: a finished request's last chunk is streamed after this
+            # step, and if the engine dies before its caller has it, the turn resumes here.
+            for seq in self._kv_done:
+                handoff.finished(seq)
+        finished = self._batch.step(k, self.spec_verify,  # type: ignore[arg-type]
+                                    self.spec_draft)
+        if handoff is not None:
+            self._kv_done = finished
+            if self._batch.rows:
+                handoff.save(self._batch, self._version)
+
     def _apply_aborts(self) -> None:
+        if self._handoff is not None and self._kv_drop:
+            for seq in self._kv_drop:
+                self._handoff.finished(seq)
+        self._kv_drop.clear()
         aborted = [s for s in self._batch.rows if s.abort_requested]
         if not aborted:
             return
         for seq in aborted:
             seq.finish(FinishReason.ABORT)
+            if self._handoff is not None:
+                self._handoff.finished(seq)
         self._batch.drop_finished()
         for seq in aborted:
             self._publish(seq)
@@ -394,6 +471,8 @@ class TorchEngine:
             raise
         self._version = version
         self._counters.weight_updates += 1
+        if self._handoff is not None:
+            self._handoff.weights_loaded(version)
         # Prefill the running requests again under the new weights (module docstring).
         self._pending.extendleft(reversed(self._batch.release()))
         log.info("torch engine serves v%d", version)

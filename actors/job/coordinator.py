@@ -325,6 +325,10 @@ class RolloutCoordinator:
             "engine_tail_acceptance": round(sum(
                 (r["acceptance"] or 0) * r["drafted"] for r in reports) / drafted, 4)
             if drafted else None,
+            # Decode wall time of the engines since the last step, and the part of it spent
+            # saving KV caches for hand-off (engine.kv_handoff).
+            "engine_decode_s": round(sum(r.get("decode_s", 0.0) for r in reports), 4),
+            "engine_kv_save_s": round(sum(r.get("kv_save_s", 0.0) for r in reports), 4),
         }
 
     async def _restore_or_warm_start(self) -> int:
@@ -632,7 +636,10 @@ class RolloutCoordinator:
             # The step's generation-length tail: what its slowest rollouts cost (issue of
             # speculative decoding; the engines' tail_report has the concurrency side).
             **_length_tail([t.generated_tokens for t in trajectories]),
-            **{k: v for k, v in metrics.items() if k.startswith(("mtp_", "engine_tail_"))},
+            **{k: v for k, v in metrics.items()
+               if k.startswith(("mtp_", "engine_tail_", "engine_decode", "engine_kv"))},
+            # Resumed calls by how their KV cache came back (cumulative, this coordinator).
+            "kv_handoff": dict(self.runner.kv_handoffs) if self.runner else {},
             **{k: [round(t, 3) for t in metrics[k]] for k in ("gen_window", "train_window")
                if k in metrics},
         })

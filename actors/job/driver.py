@@ -34,10 +34,17 @@ from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
 from erlay.actors.control.policy import Action
+from erlay.actors.engine.kv_handoff import driver_owner
 from erlay.actors.job.coordinator import RolloutCoordinator
 from erlay.actors.job.env_worker import EnvironmentSpec
 from erlay.actors.job.modelplan import plan_model
-from erlay.actors.job.node_runtime import actor_env, declared_env, finish_nodes, prepare_nodes
+from erlay.actors.job.node_runtime import (
+    HandoffDir,
+    actor_env,
+    declared_env,
+    finish_nodes,
+    prepare_nodes,
+)
 from erlay.actors.job.seam import CoordinatorContext, DomainPaths
 from erlay.actors.job.validation import environment_spec
 from erlay.actors.journal.store import FsyncPolicy, Journal
@@ -173,6 +180,7 @@ class Job:
         self.cfg = cfg
         self.run_dir = run_dir
         self.plan = plan_model(cfg)
+        self._handoff_dir: HandoffDir | None = None
         self.tokenizer = self.plan.tokenizer
         # What the environment workers build (the dataset's rows included); nothing of the
         # user's is built or called in this process.
@@ -308,6 +316,9 @@ class Job:
         if cfg.engine.backend == "vllm":
             from erlay.actors.engine.vllm_engine import VllmEngine
             vllm = cfg.engine.vllm
+            if cfg.engine.kv_handoff.enabled:
+                log.info("engine.kv_handoff applies to the torch engine only: a failed vLLM "
+                         "engine's rollouts prefill their contexts again (docs/generation.md)")
             options = {**opts, "num_gpus": vllm.num_gpus} if vllm.num_gpus else opts
             return ActorStart(VllmEngine, args=(model,), kwargs=dict(
                 max_batch=cfg.engine.max_batch, seed=cfg.run.seed, model_dir=vllm.model_dir,
@@ -320,8 +331,26 @@ class Job:
             max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
             seed=cfg.run.seed, spec_k=cfg.engine.spec_k,
             spec_max_concurrency=cfg.engine.spec_max_concurrency,
-            spec_verify=cfg.engine.spec_verify, spec_draft=cfg.engine.spec_draft),
+            spec_verify=cfg.engine.spec_verify, spec_draft=cfg.engine.spec_draft,
+            kv_handoff=self._handoff_options()),
             options=opts, boot_ahead=cfg.supervision.boot_ahead)
+
+    def handoff_dir(self) -> HandoffDir | None:
+        """The run's node-local KV hand-off directory (torch engine with engine.kv_handoff)."""
+        handoff = self.cfg.engine.kv_handoff
+        if self.cfg.engine.backend != "torch" or not handoff.enabled:
+            return None
+        if self._handoff_dir is None:
+            self._handoff_dir = HandoffDir(handoff.root, self.run_dir.path.name,
+                                           driver_owner())
+        return self._handoff_dir
+
+    def _handoff_options(self) -> dict[str, Any] | None:
+        where = self.handoff_dir()
+        if where is None:
+            return None
+        return {"dir": where.path,
+                "budget_bytes": self.cfg.engine.kv_handoff.node_budget_mb << 20}
 
     def build(self) -> SupervisionTree:
         cfg, sup = self.cfg, self.cfg.supervision
@@ -454,7 +483,8 @@ class Job:
         started = time.time()
         nodes = sorted(n["NodeID"] for n in alive_nodes())
         try:
-            prepare_nodes(cfg.node, nodes)  # seed JIT caches; stack versions agree, or stop
+            # Seed JIT caches, make the KV hand-off directory; stack versions agree, or stop.
+            prepare_nodes(cfg.node, nodes, self.handoff_dir())
         except Exception as exc:  # noqa: BLE001 - a lost node, a timeout: end cleanly, say why
             if ray_info["started"]:
                 shutdown_ray()
@@ -495,7 +525,8 @@ class Job:
                 status.finish(result.status, result.reason,
                               0 if result.status == "finished" else 1)
             status.stop()
-            finish_nodes(cfg.node, nodes, self.run_dir.path.name)  # the elected one archives
+            # The elected node archives JIT caches; every node's KV hand-off caches go.
+            finish_nodes(cfg.node, nodes, self.run_dir.path.name, self.handoff_dir())
             if ray_info["started"]:  # a Ray this job started ends with it, agents and all
                 shutdown_ray()
             # The coordinator froze the driver's heap for the run (coordinator.py: setup);

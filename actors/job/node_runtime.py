@@ -18,7 +18,9 @@ CPUs and memory, see :mod:`erlay.supervisor.actor_child`).  Node hosts forward t
 environment to every process they spawn, and those to theirs.
 
 At the end, :func:`finish_nodes` asks every node to archive its caches; one elected node
-writes the archive (every node compiled the same kernels).
+writes the archive (every node compiled the same kernels).  With KV hand-off
+(``engine.kv_handoff``), the node runtime also owns each node's directory of saved KV
+caches (:class:`HandoffDir`): made before the tree starts, removed at the end.
 """
 
 from __future__ import annotations
@@ -77,8 +79,24 @@ def actor_env(cfg: NodeSection, environ: dict[str, str] | None = None) -> dict[s
     return env
 
 
-def _prepare(label: str, spec: Any) -> NodeReport:
-    """On one node: seed its caches, report its versions and topology."""
+@dataclass(frozen=True)
+class HandoffDir:
+    """The node-local directory of a run's saved KV caches (engine.kv_handoff): made on
+    every node before the tree starts, removed at the end
+    (:mod:`erlay.actors.engine.kv_handoff`)."""
+
+    root: str
+    run_id: str
+    owner: dict[str, Any]
+
+    @property
+    def path(self) -> str:
+        return str(Path(self.root) / self.run_id)
+
+
+def _prepare(label: str, spec: Any, handoff: HandoffDir | None = None) -> NodeReport:
+    """On one node: seed its caches, make the run's KV hand-off directory, report its
+    versions and topology."""
     import socket
 
     from erlay.supervisor.node.topology import TopologyError, discover
@@ -87,6 +105,9 @@ def _prepare(label: str, spec: Any) -> NodeReport:
         from erlay.supervisor.node.jitcache import JitCache
         result = JitCache(spec).seed()
         seed = result.status + (f" ({result.files} files)" if result.files else "")
+    if handoff is not None:
+        from erlay.actors.engine.kv_handoff import prepare_run_dir
+        prepare_run_dir(Path(handoff.root), handoff.run_id, handoff.owner)
     try:
         topo = discover()
         gpus, domain, error = len(topo.gpus), topo.nvlink_domain, None
@@ -113,17 +134,18 @@ def _on_each_node(nodes: list[str], fn: Any, *args: Any, timeout_s: float) -> li
     return ray.get(refs, timeout=timeout_s)
 
 
-def gather_reports(cfg: NodeSection, nodes: list[str], timeout_s: float = 300.0
-                   ) -> list[NodeReport]:
+def gather_reports(cfg: NodeSection, nodes: list[str], timeout_s: float = 300.0,
+                   handoff: HandoffDir | None = None) -> list[NodeReport]:
     """One :class:`NodeReport` per node id in ``nodes`` (in order, labelled node-<i>)."""
-    return _on_each_node(nodes, _prepare, _jit_spec(cfg), timeout_s=timeout_s)
+    return _on_each_node(nodes, _prepare, _jit_spec(cfg), handoff, timeout_s=timeout_s)
 
 
-def prepare_nodes(cfg: NodeSection, nodes: list[str]) -> list[NodeReport]:
+def prepare_nodes(cfg: NodeSection, nodes: list[str], handoff: HandoffDir | None = None
+                  ) -> list[NodeReport]:
     """Seed, report and check every node (see the module docstring).  Raises
     :class:`~erlay.supervisor.errors.VersionMismatch`, whose message is the table, when the nodes'
     versions differ and ``check_versions`` is on."""
-    reports = gather_reports(cfg, nodes)
+    reports = gather_reports(cfg, nodes, handoff=handoff)
     for report in reports:
         log.info("%s (%s): %d GPU(s), NVLink domain %s, JIT cache %s", report.node,
                  report.hostname, report.gpus, report.nvlink_domain, report.seed)
@@ -135,9 +157,23 @@ def prepare_nodes(cfg: NodeSection, nodes: list[str]) -> list[NodeReport]:
     return reports
 
 
-def finish_nodes(cfg: NodeSection, nodes: list[str], run_id: str) -> list[str]:
-    """Offer every node's caches for the archive; the elected node writes it.  Returns the
-    archives written (one, normally).  Never raises: a job that ended keeps its result."""
+def _remove_handoff(label: str, root: str, run_id: str) -> bool:
+    from erlay.actors.engine.kv_handoff import remove_run_dir
+    return remove_run_dir(Path(root), run_id)
+
+
+def finish_nodes(cfg: NodeSection, nodes: list[str], run_id: str,
+                 handoff: HandoffDir | None = None) -> list[str]:
+    """Remove the run's KV hand-off directory on every node; offer every node's caches for
+    the archive, which the elected node writes.  Returns the archives written (one,
+    normally).  Never raises: a job that ended keeps its result."""
+    if handoff is not None:
+        try:
+            _on_each_node(nodes, _remove_handoff, handoff.root, handoff.run_id,
+                          timeout_s=60.0)
+        except Exception:
+            log.warning("removing the KV hand-off caches of %s failed on some node",
+                        handoff.run_id, exc_info=True)
     spec = _jit_spec(cfg)
     if spec is None:
         return []

@@ -22,6 +22,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -236,6 +237,9 @@ class RolloutRunner:
         self.resumes: list[Resume] = []   # one per failover, timed
         self.tool_results_reused = 0
         self.tokens_regenerated = 0   # tokens an engine sent again after a failover
+        # Resumed calls by how their KV cache came back (TokenChunk.kv_handoff): adopted
+        # from what the failed engine saved, or prefilled again and why.
+        self.kv_handoffs: Counter[str] = Counter()
         # (rollout id, turn, completion position, engine) of each turn continued from a
         # prefix: after a failover, or when a replay resumes a journaled turn
         self.continuations: list[tuple[str, int, int, str]] = []
@@ -457,7 +461,10 @@ class RolloutRunner:
                 max_new_tokens=budget - len(got.token_ids), seed=seed + turn,
                 temperature=self.sampling.temperature, prefix_ids=tuple(got.token_ids),
                 stop_ids=tuple(self.tok.stop_ids),
-                chunk_tokens=self.sampling.chunk_tokens, trace=trace)
+                chunk_tokens=self.sampling.chunk_tokens, trace=trace,
+                # Every attempt at the turn shares the key its engine saves the KV cache
+                # under, so the next attempt can adopt it; a hedge neither saves nor adopts.
+                kv_key=None if hedge else f"{rollout_id}/t{turn}")
             continued_at = len(got.token_ids) if got.token_ids else None
             engine_timing: dict[str, float] | None = None
             streamed = 0
@@ -468,6 +475,8 @@ class RolloutRunner:
                         self._abort(engine, request.request_id)
                         return
                     chunk = TokenChunk.from_dict(data)
+                    if chunk.kv_handoff is not None:   # how a resumed call's cache came back
+                        self.kv_handoffs[chunk.kv_handoff] += 1
                     streamed += len(chunk.token_ids)
                     engine_timing = engine_timing or chunk.timing
                     overlap = got.new_part(chunk.start, chunk.token_ids)
