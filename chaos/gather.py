@@ -6,6 +6,7 @@ behind).  Reading only; every judgement is in :mod:`erlay.chaos.invariants`."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import JobConfig
@@ -39,5 +40,18 @@ def observe_run(cfg: JobConfig, run_dir: RunDir, faults: list[FaultRecord], wall
     obs = observe_dir(run_dir.path, cfg)
     return dataclasses.replace(
         obs, faults=list(faults), wall_s=wall_s, rl_wall_s=rl_wall_s(obs.metrics),
-        status=status, offender=offender, orphans=list(orphans), started_at=started_at,
+        status=status, offender=offender,
+        orphans=[*orphans, *kv_leftovers(cfg, run_dir.path.name)], started_at=started_at,
         not_injected=list(not_injected or []))
+
+
+def kv_leftovers(cfg: JobConfig, run_id: str) -> list[dict[str, Any]]:
+    """The run's KV hand-off caches, if the run left them on this node (its node runtime
+    removes them when it ends): an orphan as much as a leftover process is."""
+    handoff = cfg.engine.kv_handoff
+    path = Path(handoff.root) / run_id
+    if cfg.engine.backend != "torch" or not handoff.enabled or not path.exists():
+        return []
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return [{"pid": None, "cmdline": f"KV hand-off caches left behind: {path} "
+                                     f"({len(files)} file(s))"}]

@@ -433,6 +433,28 @@ INVARIANTS = ("no_rollout_lost", "no_duplicate_consumption", "exactly_once",
               "judgements_stable", "checkpoints_intact", "replay_identical", "faults_detected",
               "restart_intensity_respected", "no_orphans", "reward_within_tolerance",
               "expected_end", "faults_injected", "samples_judged")
+# Checked only where a scenario names them (erlay.chaos.params.OPT_IN_INVARIANTS).
+OPT_IN_INVARIANTS = ("kv_handoff_adopted",)
+
+
+def kv_handoff_adopted(obs: RunObservation) -> Verdict:
+    """Rollouts a failed engine was decoding resumed from the KV caches it saved on the node
+    (engine.kv_handoff): at least one resumed call adopted its cache, whole or in part, and
+    none found its cache torn.  Read from the RL step records' ``kv_handoff`` (resumed calls
+    by path, cumulative per coordinator: the largest count of each path seen).  Opt-in: a
+    scenario names it where its faults leave caches to adopt."""
+    name = "kv_handoff_adopted"
+    paths: dict[str, int] = {}
+    for m in obs.metrics:
+        for path, n in (m.get("kv_handoff") or {}).items():
+            paths[path] = max(paths.get(path, 0), int(n))
+    if not paths:
+        return cannot_check(name, "no resumed call reported how its KV cache came back")
+    adopted = paths.get("adopted", 0) + paths.get("partial", 0)
+    text = ", ".join(f"{p} {n}" for p, n in sorted(paths.items()))
+    if paths.get("torn"):
+        return Verdict(name, False, f"a saved cache was torn ({text})")
+    return Verdict(name, adopted > 0, f"resumed calls by path: {text}")
 
 
 def faults_injected(obs: RunObservation) -> Verdict:
@@ -501,11 +523,13 @@ def check_all(obs: RunObservation, *, fault_free: RunObservation | None = None,
         "expected_end": lambda: expected_end(obs, expect_end, offender_pattern),
         "faults_injected": lambda: faults_injected(obs),
         "samples_judged": lambda: samples_judged(obs, min_judged_share),
+        "kv_handoff_adopted": lambda: kv_handoff_adopted(obs),
     }
     if selected is not None:
         unknown = [n for n in selected if n not in checks]
         if unknown:
             raise ValueError(f"unknown invariant(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(INVARIANTS)}")
-    names = [n for n in INVARIANTS if selected is None or n in selected]
+                             f"{', '.join((*INVARIANTS, *OPT_IN_INVARIANTS))}")
+    names = list(INVARIANTS) if selected is None else \
+        [n for n in (*INVARIANTS, *OPT_IN_INVARIANTS) if n in selected]
     return [documented_na(checks[n]()) for n in names]

@@ -35,11 +35,15 @@ Invariant = Literal["no_rollout_lost", "no_duplicate_consumption", "exactly_once
                     "judgements_stable", "checkpoints_intact", "replay_identical",
                     "faults_detected", "restart_intensity_respected", "no_orphans",
                     "reward_within_tolerance", "expected_end", "faults_injected",
-                    "samples_judged"]
+                    "samples_judged", "kv_handoff_adopted"]
 Baseline = Literal["fault_free", "job_restart"]
 Attack = Literal["endless_loop", "fork_bomb", "memory_hog", "disk_fill", "output_flood",
                  "kill_parent"]
-INVARIANTS: tuple[str, ...] = get_args(Invariant)
+ALL_INVARIANTS: tuple[str, ...] = get_args(Invariant)
+# Checked only where a scenario names them: they hold for what that scenario sets up, not
+# for every run (a failover to an engine serving newer weights rightly re-prefills).
+OPT_IN_INVARIANTS = ("kv_handoff_adopted",)
+INVARIANTS: tuple[str, ...] = tuple(n for n in ALL_INVARIANTS if n not in OPT_IN_INVARIANTS)
 SMOKE_MAX_DURATION_S = 90.0  # each smoke scenario's share of the CI smoke budget
 
 # Hostile code a sandbox_attack submits as a tool call.  Each must end in a typed result
