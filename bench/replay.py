@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import load_config
+from erlay.actors.engine.kv_handoff import ADOPTED, FALLBACKS
 from erlay.actors.job.domains import CHILD_GONE, EngineBatcher
 from erlay.actors.job.driver import Job, JobResult
 from erlay.actors.job.rollout import Resume
@@ -211,11 +212,14 @@ class PrefillLedger:
 
 
 def run(steps: int, parent: Path, name: str, kills: int, every_s: float,
-        backend: str = "torch", ledger: PrefillLedger | None = None
+        backend: str = "torch", ledger: PrefillLedger | None = None, *,
+        handoff: bool = True, warm_steps: int = 40
         ) -> tuple[JobResult, Job, MemoryTransitions, list[float]]:
     config = "vllm.yaml" if backend == "vllm" else "cpu.yaml"
     extra = ["engine.chunk_tokens=1", "supervision.generation.period=600"] \
         if backend == "vllm" else []
+    extra += [f"engine.kv_handoff.enabled={str(handoff).lower()}",
+              f"warm_start.steps={warm_steps}"]
     cfg = load_config(ROOT / "configs" / config, overrides(steps, parent) + extra)
     memory = MemoryTransitions()
     job = Job(cfg, RunDir.create(parent, name), transitions=memory)
@@ -254,11 +258,13 @@ def pick_victim(views: list[EngineView], killed: set[tuple[str, int]],
                 busy_since: dict[str, int], chunks: int, streamed: int = 4
                 ) -> tuple[str, int] | None:
     """The engine to kill now, or None.  ``busy_since`` (updated here) is the journal's chunk
-    count when each engine became busy; a victim has streamed ``streamed`` chunks since (a
-    prefix to resume from) and serves, and so does every other engine (somewhere to resume
-    on).  Serving is running, admitted and not killed by us: a killed incarnation stays its
-    child's current one until the supervisor has handled its exit, which can wait behind
-    another child's restart, so the running flag alone would call it a refuge."""
+    count when each engine became busy; a victim has streamed ``streamed`` chunks since, and
+    at least one per rollout it holds (so that its rollouts are mid-decode, with a prefix
+    and a saved KV cache to resume from), and serves, and so does every other engine
+    (somewhere to resume on).  Serving is running, admitted and not killed by us: a killed
+    incarnation stays its child's current one until the supervisor has handled its exit,
+    which can wait behind another child's restart, so the running flag alone would call it
+    a refuge."""
     serving = {v.key[0]: v.running and v.admitted and v.key not in killed for v in views}
     for v in views:
         if v.load and serving[v.key[0]]:
@@ -266,7 +272,7 @@ def pick_victim(views: list[EngineView], killed: set[tuple[str, int]],
         else:
             busy_since.pop(v.key[0], None)
     return next((v.key for v in views if v.key[0] in busy_since
-                 and chunks >= busy_since[v.key[0]] + streamed
+                 and chunks >= busy_since[v.key[0]] + max(streamed, v.load)
                  and all(ok for path, ok in serving.items() if path != v.key[0])), None)
 
 
@@ -428,34 +434,118 @@ def kill_shortfall(requested: int, landed: int) -> str | None:
             f"rest on {landed} kill(s); raise --steps (or lower --every) and run it again")
 
 
+def decode_seconds(job: Job) -> tuple[float, float]:
+    """The engines' decode wall time over the run's RL steps, and the part of it spent
+    saving KV caches for hand-off (the steps' ``engine_decode_s``, ``engine_kv_save_s``)."""
+    steps = job.run_dir.rl_steps()
+    return (sum(float(m.get("engine_decode_s") or 0.0) for m in steps),
+            sum(float(m.get("engine_kv_save_s") or 0.0) for m in steps))
+
+
+def overhead(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """``kv_save_decode_overhead``: the median over interleaved fault-free pairs of the decode
+    wall time with saving on over off, with its range; None without a complete pair."""
+    ratios = [on / off for on, off in pairs if on > 0 and off > 0]
+    if not ratios:
+        return {"kv_save_decode_overhead": None, "kv_save_decode_overhead_range": None}
+    return {"kv_save_decode_overhead": round(statistics.median(ratios), 4),
+            "kv_save_decode_overhead_range": [round(min(ratios), 4), round(max(ratios), 4)],
+            "kv_save_decode_pairs": [[round(on, 3), round(off, 3)] for on, off in pairs]}
+
+
+def handoff_figures(on: PrefillLedger, off: PrefillLedger, job_on: Job, job_off: Job,
+                    killed_off: list[float], clean: Job) -> dict[str, Any]:
+    """The hand-off's figures: what the resumed calls recomputed with it against without it
+    (the same seeded kills), which path each failover took, and the run without it."""
+    assert job_on.coordinator is not None and job_off.coordinator is not None
+    with_ = on.figures()["prefill_tokens_recomputed"]
+    without = off.figures()["prefill_tokens_recomputed"]
+    paths = dict(job_on.coordinator.runner.kv_handoffs)
+    stages = resume_stages(killed_off, job_off.coordinator.runner.resumes)
+    want = {m["step"]: m["tokens_digest"] for m in clean.run_dir.rl_steps()}
+    got = {m["step"]: m["tokens_digest"] for m in job_off.run_dir.rl_steps()}
+    return {
+        "prefill_tokens_recomputed_without_handoff": without,
+        "resumed_calls_without_handoff": off.figures()["resumed_calls"],
+        "prefill_recomputed_vs_without": round(with_ / without, 4) if without else None,
+        "kv_handoff_paths": paths,
+        "kv_adopted": sum(paths.get(r, 0) for r in ADOPTED),
+        "kv_fallbacks": sum(paths.get(r, 0) for r in FALLBACKS),
+        "resume_ms_p50_without_handoff": p50(stages["resume"]),
+        "identical_to_fault_free_without_handoff": bool(want) and want == got,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--every", type=float, default=1.5, help="seconds between kills")
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--backend", choices=("torch", "vllm"), default="torch")
+    parser.add_argument("--pairs", type=int, default=3, help="fault-free runs with KV "
+                        "hand-off on and off, interleaved, for kv_save_decode_overhead")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (CI): 6 "
+                        "steps, 1 kill, 1 pair, a 2-step warm start")
     args = parser.parse_args()
+    warm = 40
+    if args.smoke:
+        args.steps, args.kills, args.pairs, args.every, warm = 6, 1, 1, 0.5, 2
     logging.getLogger("erlay").setLevel(logging.ERROR)
     parent = Path(tempfile.mkdtemp(prefix="erlay-replay-"))
-    clean, clean_job, _, _ = run(args.steps, parent, "fault-free", 0, args.every, args.backend)
+    torch_lane = args.backend == "torch"
+    pairs: list[tuple[float, float]] = []
+    clean_job: Job | None = None
+    for i in range(max(1, args.pairs) if torch_lane else 1):
+        # Interleaved, so that the machine's drift falls on both sides of each pair.
+        clean, job, _, _ = run(args.steps, parent, f"fault-free-{i}", 0, args.every,
+                               args.backend, warm_steps=warm)
+        assert clean.status == "finished", clean.reason
+        clean_job = clean_job or job
+        if torch_lane:
+            plain, plain_job, _, _ = run(args.steps, parent, f"fault-free-off-{i}", 0,
+                                         args.every, args.backend, handoff=False,
+                                         warm_steps=warm)
+            assert plain.status == "finished", plain.reason
+            pairs.append((decode_seconds(job)[0], decode_seconds(plain_job)[0]))
+    assert clean_job is not None
     ledger = PrefillLedger()
     faulted, faulted_job, memory, killed_at = run(args.steps, parent, "faulted", args.kills,
-                                                  args.every, args.backend, ledger)
-    assert clean.status == "finished", clean.reason
+                                                  args.every, args.backend, ledger,
+                                                  warm_steps=warm)
     out = {"status": faulted.status, "backend": args.backend, "kills_requested": args.kills,
-           **figures(clean_job, faulted_job, memory, killed_at, ledger),
-           "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]}
+           **figures(clean_job, faulted_job, memory, killed_at, ledger)}
+    statuses = [faulted.status]
+    landed = [len(killed_at)]
+    if torch_lane:
+        off_ledger = PrefillLedger()
+        off, off_job, _, off_killed = run(args.steps, parent, "faulted-off", args.kills,
+                                          args.every, args.backend, off_ledger,
+                                          handoff=False, warm_steps=warm)
+        statuses.append(off.status)
+        landed.append(len(off_killed))
+        out.update(handoff_figures(ledger, off_ledger, faulted_job, off_job, off_killed,
+                                   clean_job))
+        out["kills_without_handoff"] = len(off_killed)
+        out.update(overhead(pairs))
+        save = [decode_seconds(faulted_job)]
+        out["kv_save_share_of_decode"] = round(save[0][1] / save[0][0], 4) \
+            if save[0][0] else None
+    out["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     targets = {"rollouts_lost": "0", "duplicates_consumed": "0",
-               "tokens_regenerated_after_fault": "0", "resume_ms_p50": "<= 500",
+               "tokens_regenerated_after_fault": "0", "resume_ms_p50": "<= 100",
                "prefill_tokens_recomputed": "reported",
-               "identical_to_fault_free": "true" if args.backend == "torch" else "n/a"}
+               "prefill_recomputed_vs_without": "<= 0.05",
+               "kv_save_decode_overhead": "<= 1.05",
+               "identical_to_fault_free": "true" if torch_lane else "n/a",
+               "identical_to_fault_free_without_handoff": "true"}
     stages = {f"{name}_ms_p50" for name, _, _ in (*STAGES, *DETECTION)}
     print(f"runs in {parent}")
-    print(f"{'figure':32s} {'measured':>10}  target")
+    print(f"{'figure':40s} {'measured':>10}  target")
     for key, value in out.items():
         if key not in stages:
-            print(f"{key:32s} {value!s:>10}  {targets.get(key, '')}")
-    print("\nresume, stage by stage (p50 of each; a resume's stages add up to its total)")
+            print(f"{key:40s} {value!s:>10}  {targets.get(key, '')}")
+    print("\nresume with KV hand-off, stage by stage (p50 of each; a resume's stages add up "
+          "to its total)")
     print(f"{'stage':14s} {'from -> to':28s} {'ms p50':>8}")
     for name, start, end in STAGES:
         print(f"{name:14s} {start + ' -> ' + end:28s} {out[name + '_ms_p50']!s:>8}")
@@ -467,14 +557,14 @@ def main() -> None:
     for i, kill in enumerate(out.get("resume_by_kill") or []):
         print(f"  kill {i + 1:<9d} {str(kill['failovers']) + ' failovers':28s} "
               f"{kill['resume_ms_p50']!s:>8}")
-    shortfall = kill_shortfall(args.kills, out["kills"])
-    if shortfall:
-        print(f"replay: {shortfall}", file=sys.stderr)
-    if out["status"] != "finished":
-        print(f"replay: the faulted run ended {out['status']}: {faulted.reason}",
-              file=sys.stderr)
+    problems = [p for p in (kill_shortfall(args.kills, n) for n in landed) if p]
+    problems += [f"a faulted run ended {status}" for status in statuses if status != "finished"]
+    if torch_lane and out.get("kv_adopted", 0) == 0 and out["failovers"]:
+        problems.append("no failover adopted a saved KV cache")
+    for problem in problems:
+        print(f"replay: {problem}", file=sys.stderr)
     print(json.dumps(out))
-    if shortfall or out["status"] != "finished":
+    if problems:
         sys.exit(1)
 
 
