@@ -7,7 +7,7 @@ share of a step: 256 rollouts over 2 engines), prompts of 5-8 tokens, 5 new toke
 per token, into a slab under ``/dev/shm``.  Each pair times ``--waves`` waves with saving on
 and as many with it off, in alternating order, in one process, so that both sides of a pair
 see the same machine; ``kv_save_decode_overhead`` is the median over ``--pairs`` pairs of on
-over off, with its range.  ``save_share`` is the save's own time over the decode time with
+over off, with its range.  ``kv_save_share`` is the save's own time over the decode time with
 saving on (the same pairs), the cost with nothing else in it.
 
 Prints a table, then one JSON line.
@@ -95,11 +95,11 @@ def measure(pairs: int, waves: int, rows: int) -> dict[str, Any]:
             off_s.append(off)
         return {"kv_save_decode_overhead": round(statistics.median(ratios), 4),
                 "kv_save_decode_overhead_range": [round(min(ratios), 4), round(max(ratios), 4)],
-                "save_share": round(statistics.median(shares), 4),
-                "decode_s_on": round(statistics.median(on_s), 4),
-                "decode_s_off": round(statistics.median(off_s), 4),
-                "pairs": pairs, "waves": waves, "rows": rows,
-                "load_avg": [round(x, 2) for x in os.getloadavg()]}
+                "kv_save_share": round(statistics.median(shares), 4),
+                "kv_decode_s_on": round(statistics.median(on_s), 4),
+                "kv_decode_s_off": round(statistics.median(off_s), 4),
+                "kv_overhead_shape": {"pairs": pairs, "waves": waves, "rows": rows},
+                "kv_overhead_load_avg": [round(x, 2) for x in os.getloadavg()]}
     finally:
         shutil.rmtree(where, ignore_errors=True)
 

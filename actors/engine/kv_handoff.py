@@ -59,6 +59,7 @@ import numpy as np
 log = logging.getLogger("erlay.engine.kv")
 
 PAGE = mmap.PAGESIZE
+PREFAULT_BYTES = 64 << 20   # an engine's slots mapped ahead of their first save
 MAGIC = b"EKVS0001"
 # magic, slots, positions, layers, heads, head_dim, hidden, dtype code, pid
 _META = struct.Struct("<8siiiiiiii")
@@ -219,6 +220,22 @@ class Slab:
             self.mm.close()
 
 
+def _found(kv: np.ndarray, hidden: np.ndarray, hidden_at: np.ndarray, hidden_ok: np.ndarray,
+           usable: int, length: int) -> tuple[Found | None, str]:
+    """What a checked cache gives a request whose context (``length`` tokens) agrees with its
+    first ``usable`` positions: all of them with the state after the last (``adopted``),
+    when one of its two saved states is at exactly that position; else all but what must be
+    prefilled again to have that state (``partial``)."""
+    if usable == length:
+        for j in (0, 1):   # the state at the last save point, or the one before
+            if int(hidden_at[j]) == usable and bool(hidden_ok[j]):
+                return Found(kv[:usable], hidden[j]), "adopted"
+    keep = usable if usable < length else usable - 1
+    if keep == 0:
+        return None, "mismatch"
+    return Found(kv[:keep], None), "partial"
+
+
 def _round(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
@@ -252,6 +269,24 @@ class HandoffStore:
         self._since_scan = 0
         self._others: dict[Path, Slab] = {}
         self.counts: Counter[str] = Counter()
+        self._prefault(PREFAULT_BYTES)
+
+    def _prefault(self, limit: int) -> None:
+        """Map the pages of the first slots now, up to ``limit`` bytes: a tmpfs page costs a
+        fault the first time it is written, and the first saves (an adopter's, right in a
+        failover) would pay them.  Counted against the budget like any idle slot."""
+        slab = self.slab
+        n = min(slab.slots, max(0, limit) // slab.stride)
+        if not n:
+            return
+        start = slab.table_bytes
+        try:   # Linux 5.14+; Python 3.11's mmap does not name it yet
+            slab.mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), start, n * slab.stride)
+        except (OSError, ValueError):   # an older kernel: touch them
+            slab.tokens[:n] = 0
+            slab.kv[:n] = 0
+            slab.hidden[:n] = 0
+        self._resident[:n] = slab.positions
 
     # ------------------------------------------------------------------------- writing
     def claim(self, keys: list[str], version: int) -> tuple[np.ndarray, np.ndarray]:
@@ -395,66 +430,87 @@ class HandoffStore:
         wanted: dict[tuple[int, int], list[int]] = {}
         for i, key in enumerate(keys):
             wanted.setdefault(tuple(digest(key).tolist()), []).append(i)  # type: ignore[arg-type]
-        hits: dict[int, list[tuple[Slab, int]]] = {}
+        results: dict[int, list[tuple[int, Found | None, str]]] = {}
         for slab in self._slabs():
             table = slab.table
             valid = np.flatnonzero(table["state"] == 1)
+            slots, owners = [], []
             for slot, pair in zip(valid.tolist(), table["digest"][valid].tolist(),
                                   strict=True):
                 for i in wanted.get(tuple(pair), ()):
-                    hits.setdefault(i, []).append((slab, slot))
+                    slots.append(slot)
+                    owners.append(i)
+            if not slots:
+                continue
+            for i, covered, got in zip(owners, table["covered"][slots].tolist(),
+                                       self._read(slab, np.asarray(slots), version,
+                                                  [contexts[i] for i in owners]),
+                                       strict=True):
+                results.setdefault(i, []).append((covered, *got))
+            # Taken (or useless to anyone): the adopter saves these requests in its own slab.
+            table["state"][slots] = 0
+            if not _alive(slab.pid) and not (table["state"] == 1).any():
+                self._drop_slab(slab)
         out: list[tuple[Found | None, str]] = []
         for i in range(len(keys)):
-            out.append(self._best(hits.get(i, []), version, contexts[i]))
+            tried = sorted(results.get(i, []), key=lambda r: -r[0])
+            best = next(((f, why) for _, f, why in tried if f is not None), None)
+            if best is None:
+                whys = [why for _, _, why in tried]
+                best = (None, next((w for w in ("torn", "mismatch", "version") if w in whys),
+                                   "missing"))
+            out.append(best)
         return out
 
-    def _best(self, hits: list[tuple[Slab, int]], version: int,
-              context: tuple[int, ...] | list[int]) -> tuple[Found | None, str]:
-        """The most positions any of ``hits`` (slots saved under one key) can give."""
-        same = [(int(s.table["covered"][slot]), s, slot) for s, slot in hits
-                if int(s.table["version"][slot]) == version]
-        if not same:
-            return None, "version" if hits else "missing"
-        same.sort(key=lambda c: -c[0])
-        reason = "torn"
-        result: tuple[Found | None, str] | None = None
-        for covered, slab, slot in same:
-            if result is None:
-                found, why = self._read(slab, slot, covered, context)
-                if found is not None:
-                    result = (found, why)
-                elif reason == "torn":
-                    reason = why
-            slab.free([slot])
-        return result if result is not None else (None, reason)
+    def _read(self, slab: Slab, slots: np.ndarray, version: int,
+              contexts: list[tuple[int, ...] | list[int]]) -> list[tuple[Found | None, str]]:
+        """What each of ``slab``'s ``slots`` can give a request with that ``contexts``
+        entry at ``version``: checked (version, sums, token prefix) for all of them at once,
+        in one copy out of the slab."""
+        n = len(slots)
+        rows = slab.table[slots]
+        covered = rows["covered"].astype(np.int64)
+        if slab.shape != self.shape or (covered <= 0).any() or \
+                (covered > slab.positions).any():
+            return [(None, "torn")] * n
+        width = int(covered.max())
+        tokens = slab.tokens[slots, :width]                       # copies
+        kv = slab.kv[slots, :width]
+        hidden = slab.hidden[slots]
+        inside = np.arange(width)[None, :] < covered[:, None]
+        per = word_sums(kv.reshape(n * width, -1)).reshape(n, width) + \
+            tokens.astype(np.uint64)
+        intact = np.where(inside, per, np.uint64(0)).sum(axis=1) == rows["kv_sum"]
+        hidden_ok = word_sums(hidden.reshape(n * 2, -1)).reshape(n, 2) == rows["hidden_sum"]
+        lengths = np.array([len(c) for c in contexts])
+        ctx = np.full((n, width), -1, np.int64)
+        for i, c in enumerate(contexts):
+            part = c[:width]
+            ctx[i, :len(part)] = part
+        same = (tokens == ctx) & (np.arange(width)[None, :] < np.minimum(covered, lengths)[:, None])
+        usable = np.argmin(np.concatenate([same, np.zeros((n, 1), bool)], axis=1), axis=1)
+        out: list[tuple[Found | None, str]] = []
+        for i in range(n):
+            use, length = int(usable[i]), int(lengths[i])
+            if int(rows["version"][i]) != version:
+                out.append((None, "version"))
+            elif not intact[i]:
+                out.append((None, "torn"))
+            elif use == 0:
+                out.append((None, "mismatch"))
+            else:
+                out.append(_found(kv[i], hidden[i], rows["hidden_at"][i], hidden_ok[i], use,
+                                  length))
+        return out
 
-    def _read(self, slab: Slab, slot: int, covered: int, context: tuple[int, ...] | list[int]
-              ) -> tuple[Found | None, str]:
-        if slab.shape != self.shape or not 0 < covered <= slab.positions:
-            return None, "torn"
-        row = slab.table[slot].copy()
-        tokens = slab.tokens[slot, :covered].copy()
-        kv = slab.kv[slot, :covered].copy()
-        hidden = slab.hidden[slot].copy()
-        total = word_sums(kv).sum(dtype=np.uint64) + tokens.astype(np.uint64).sum()
-        if int(row["covered"]) != covered or int(total) != int(row["kv_sum"]):
-            return None, "torn"
-        n = min(covered, len(context))
-        same = tokens[:n] == np.asarray(context[:n], dtype=np.int64)
-        usable = n if bool(same.all()) else int(np.argmin(same))
-        if usable == 0:
-            return None, "mismatch"
-        if usable == len(context):
-            sums = word_sums(hidden)
-            for j in (0, 1):   # the state at the last save point, or the one before
-                if int(row["hidden_at"][j]) == usable and \
-                        int(sums[j]) == int(row["hidden_sum"][j]):
-                    return Found(kv[:usable], hidden[j]), "adopted"
-        # Without the hidden state at the end, the last usable position is prefilled again.
-        keep = usable if usable < len(context) else usable - 1
-        if keep == 0:
-            return None, "mismatch"
-        return Found(kv[:keep], None), "partial"
+    def _drop_slab(self, slab: Slab) -> None:
+        """Unlink a dead engine's slab that holds nothing valid; its memory goes back to the
+        node once no process maps it."""
+        path = slab.path
+        self._others.pop(path, None)
+        slab.close()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
     # ------------------------------------------------------------------------ cleanup
     def enforce_budget(self) -> int:
@@ -511,10 +567,7 @@ class HandoffStore:
                 slab.free(old)
                 freed += len(old)
             if not (table["state"] == 1).any():
-                path = slab.path
-                self._others.pop(path).close()
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+                self._drop_slab(slab)
         return freed
 
 
