@@ -5,6 +5,9 @@ The user's class is subclassed with a few ``_erlay_*`` methods and made remote w
 
 - **Death** is noticed through a pending ``_erlay_monitor`` call, which fails with
   ``ActorDiedError`` a few milliseconds after the process dies.  Nothing polls for death.
+  The ready answer (``info``) names the process (``pid``, ``node_id``) and its exit beacons
+  (``exit_tids``, :func:`erlay.supervisor.pidwatch.exit_beacons`), so that a caller on the
+  same node can see it die sooner still, through pidfds.
 - **Hang**: ``_erlay_progress`` returns the child's :class:`~erlay.supervisor.progress.Progress`
   snapshot (attribute ``progress``); the supervisor applies the deadlines.
 - **Unavailable** (``ActorUnavailableError``): the child is quarantined and probed until it
@@ -49,6 +52,7 @@ from erlay.supervisor.errors import ChildStartError
 from erlay.supervisor.events import EventKind, SupervisorEvent
 from erlay.supervisor.health import Quarantine, quarantine_verdict
 from erlay.supervisor.imports import import_path
+from erlay.supervisor.pidwatch import exit_beacons
 from erlay.supervisor.progress import Progress, ProgressSnapshot
 from erlay.supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
 from erlay.supervisor.runtime import ChildProcess, StartContext, cancel_safe
@@ -70,7 +74,7 @@ _CLASSES: dict[type, Any] = {}
 def _actor_info() -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {"kind": "actor", "pid": os.getpid(), "node_id": ctx.get_node_id(),
-            "actor_id": ctx.get_actor_id()}
+            "actor_id": ctx.get_actor_id(), "exit_tids": exit_beacons()}
 
 
 def _snapshot(obj: Any) -> dict[str, Any] | None:

@@ -34,15 +34,20 @@ async def within(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
 async def stream_within(stream: Any, idle_s: float, what: str) -> AsyncIterator[Any]:
     """Iterate an async stream (a Ray streaming generator of ObjectRefs, or any async
     iterator), awaiting each item's value, with at most ``idle_s`` seconds of silence
-    between items."""
+    between items.
+
+    A cancellation of the iterating task always propagates: the waits run in that task
+    under ``asyncio.timeout``, not in ``asyncio.wait_for``, which on Python 3.11 returns an
+    item that arrived in the turn of the cancellation and drops the cancellation."""
     iterator = stream.__aiter__()
     while True:
         try:
-            item = await asyncio.wait_for(iterator.__anext__(), idle_s)
+            async with asyncio.timeout(idle_s):
+                item = await iterator.__anext__()
+                if isinstance(item, Awaitable):
+                    item = await item
         except StopAsyncIteration:
             return
         except TimeoutError:
             raise CallDeadlineExceeded(f"{what}: silent for {idle_s:g} s") from None
-        if isinstance(item, Awaitable):
-            item = await within(item, idle_s, what)
         yield item

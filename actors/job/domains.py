@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from erlay.actors.control.limits import CallLimits
 from erlay.actors.engine.api import EngineFailed
+from erlay.actors.job.engine_exits import EngineExits
 from erlay.supervisor.deadline import stream_within, within
 from erlay.supervisor.errors import CallDeadlineExceeded, ChildNotRunning
 from erlay.supervisor.tree import ChildRef, SupervisionTree
@@ -243,11 +245,14 @@ class EngineBatcher:
     A rollout asks for a stream of its own chunks; the requests made in the same event-loop
     turn for the same engine travel together as one ``generate_many`` call, and the batcher
     hands each chunk to its rollout.  If the engine dies, every rollout in the call gets the
-    error and resumes on its own (see :mod:`erlay.actors.job.rollout`).
+    error and resumes on its own (see :mod:`erlay.actors.job.rollout`): as soon as the
+    engine's process exits where it is on this node (:mod:`erlay.actors.job.engine_exits`),
+    else when Ray fails the call.
     """
 
     def __init__(self, idle_s: float = 60.0) -> None:
         self.idle_s = idle_s   # the longest silence of an engine's stream
+        self.exits = EngineExits()
         self._pending: dict[str, tuple[ChildRef, list[tuple[dict[str, Any],
                                                             asyncio.Queue[Any]]]]] = {}
         self.calls = 0
@@ -280,15 +285,18 @@ class EngineBatcher:
         queues = {request["request_id"]: queue for request, queue in waiting}
         self.calls += 1
         try:
-            stream = engine.actor.generate_many.remote([request for request, _ in waiting])
-            async for chunks in stream_within(stream, self.idle_s,
-                                              f"{engine.path}.generate_many"):
-                for chunk in chunks:
-                    queue = queues.get(chunk["request_id"])
-                    if queue is not None:
-                        queue.put_nowait(chunk)
-                        if chunk.get("finished"):
-                            del queues[chunk["request_id"]]
+            with self.exits.guard(engine) as exits:
+                stream = engine.actor.generate_many.remote([request for request, _ in waiting])
+                async with aclosing(stream_within(stream, self.idle_s,
+                                                  f"{engine.path}.generate_many")) as items:
+                    async for chunks in items:
+                        exits.raise_if_exited()
+                        for chunk in chunks:
+                            queue = queues.get(chunk["request_id"])
+                            if queue is not None:
+                                queue.put_nowait(chunk)
+                                if chunk.get("finished"):
+                                    del queues[chunk["request_id"]]
         except BaseException as exc:  # every waiting rollout must hear of it
             if not isinstance(exc, Exception):
                 for queue in queues.values():

@@ -6,6 +6,7 @@ decode loop died (``EngineFailed``) counts as gone, like a dead actor."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -136,6 +137,8 @@ class FailingStream:
     def __init__(self, failure: BaseException) -> None:
         self.failure = failure
         self.path = "g/e0"
+        self.incarnation = 1
+        self.process = SimpleNamespace(info={"kind": "fake"})   # no process to watch
         self.actor = self
         self.generate_many = self
 
