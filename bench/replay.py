@@ -1,9 +1,12 @@
-"""Benchmark: engines killed mid-generation on a fixed schedule; nothing may be lost.
+"""Benchmark: engines killed mid-generation on a fixed schedule; nothing may be lost, and
+with KV hand-off (``engine.kv_handoff``) little may be prefilled again.
 
-Runs the CPU default (short, synchronous so that runs are comparable token by token) twice
-on a local Ray with two engines: once without faults, once with an engine SIGKILLed every
-``--every`` seconds while rollouts stream.  Prints a table, then one JSON object as the last
-line:
+Runs the CPU default (short, synchronous so that runs are comparable token by token) on a
+local Ray with two engines: ``--pairs`` fault-free runs with the hand-off on and off,
+interleaved (the first is the reference the faulted runs must equal), then the same kill
+schedule twice, with an engine SIGKILLed every ``--every`` seconds while rollouts stream:
+with the hand-off on and with it off.  Prints a table, then one JSON object as the last
+line; the figures without a suffix are the faulted run's with the hand-off on:
 
 - ``rollouts_lost``: rollouts dispatched but never consumed by a learner step (must be 0)
 - ``duplicates_consumed``: rollouts consumed by more than one step (must be 0)
@@ -24,7 +27,7 @@ line:
 - ``load_avg_at_end``: the machine's 1/5/15-minute load average when the faulted run ended,
   the load these figures were measured under
 - ``resume_ms_p50`` / ``p99``: from an engine's SIGKILL to each of its rollouts decoding
-  again on another engine: its first chunk with new tokens (target p50 <= 500).  It is split
+  again on another engine: its first chunk with new tokens (target p50 <= 100).  It is split
   into stages (:data:`STAGES`, each ``<stage>_ms_p50``), from the runner's timestamps
   (:class:`~erlay.actors.job.rollout.Resume`) and the serving engine's
   (``TokenChunk.timing``): ``failure_seen`` (the kill to the rollout's stream raising),
@@ -45,6 +48,18 @@ line:
 - ``continuations``: turns continued from a prefix on another engine, as the journal records
   them (``continued_at`` on the first chunk of each); ``continued_at_mean`` is the mean
   completion position they began at
+- ``prefill_tokens_recomputed_without_handoff``: the same figure in the faulted run with the
+  hand-off off; ``prefill_recomputed_vs_without`` is the first over it (target <= 0.05)
+- ``kv_handoff_paths``: the resumed calls by the path their cache took (``adopted``,
+  ``partial``; or why they were prefilled again), ``kv_adopted``/``kv_fallbacks`` their sums;
+  ``resume_ms_p50_without_handoff`` and ``identical_to_fault_free_without_handoff`` are the
+  run without it
+- ``kv_save_decode_overhead``: the engine's decode wall time with saving on over off, on this
+  run's workload in one process (:mod:`kv_overhead`, median of 5 pairs; target <= 1.05), with
+  ``kv_save_share`` (the save's own share of it); ``kv_save_decode_overhead_job`` is the same
+  ratio from the fault-free job runs (the engines' ``engine_decode_s``), which differ between
+  runs by more than the save costs, and ``kv_save_share_of_decode`` the faulted run's
+  ``engine_kv_save_s`` over its ``engine_decode_s``
 
 An engine is killed only while the other one serves (running, admitted, and not killed
 already: a killed incarnation looks running until its supervisor has handled the exit), so
@@ -60,7 +75,11 @@ engine's EngineCore process instead of the actor.  vLLM does not resume token-id
 ``identical_to_fault_free`` is expected false there; the continuations say where each
 resumed rollout's tokens stop being the fault-free ones.
 
-    python bench/replay.py [--steps 12] [--every 1.5] [--kills 6] [--backend torch|vllm]
+With ``--backend vllm`` there is no hand-off (vLLM's KV connectors are not wired; see
+docs/recovery.md): one fault-free run, one faulted run.  ``--smoke`` is CI's smallest run.
+
+    python bench/replay.py [--steps 12] [--every 1.5] [--kills 6] [--pairs 3]
+                           [--backend torch|vllm] [--smoke]
 """
 
 from __future__ import annotations
@@ -479,6 +498,7 @@ def handoff_figures(on: PrefillLedger, off: PrefillLedger, job_on: Job, job_off:
         "kv_adopted": sum(paths.get(r, 0) for r in ADOPTED),
         "kv_fallbacks": sum(paths.get(r, 0) for r in FALLBACKS),
         "resume_ms_p50_without_handoff": p50(stages["resume"]),
+        "prefill_ms_p50_without_handoff": p50(stages["prefill"]),
         "identical_to_fault_free_without_handoff": bool(want) and want == got,
     }
 

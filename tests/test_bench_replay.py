@@ -6,6 +6,7 @@ choice of victim."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -196,3 +197,37 @@ def test_a_run_with_fewer_kills_than_requested_says_so() -> None:
     message = kill_shortfall(2, 1)
     assert message is not None and "only 1 of 2 kills" in message and "--steps" in message
     assert kill_shortfall(1, 0) is not None
+
+
+# ------------------------------------------------------------------- smallest sizes
+def _last_json(script: str, *args: str) -> dict[str, Any]:
+    import json
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert any(line.startswith("figure") for line in lines), "the table comes first"
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def test_the_kv_overhead_bench_at_its_smallest_size() -> None:
+    out = _last_json("kv_overhead.py", "--smoke")
+    assert out["kv_save_decode_overhead"] > 0 and 0 < out["kv_save_share"] < 1
+    assert out["kv_decode_s_on"] > 0 and out["kv_decode_s_off"] > 0
+
+
+@pytest.mark.ray
+def test_the_replay_bench_at_its_smallest_size_adopts_and_loses_nothing() -> None:
+    out = _last_json("replay.py", "--smoke")
+    assert out["status"] == "finished" and out["kills"] == 1 == out["kills_without_handoff"]
+    assert (out["rollouts_lost"], out["duplicates_consumed"]) == (0, 0)
+    assert out["identical_to_fault_free"] is True
+    assert out["identical_to_fault_free_without_handoff"] is True
+    assert out["kv_adopted"] > 0, "the resumed rollouts adopted the caches the dead engine saved"
+    assert out["prefill_tokens_recomputed"] < out["prefill_tokens_recomputed_without_handoff"]

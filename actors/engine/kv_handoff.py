@@ -60,11 +60,15 @@ log = logging.getLogger("erlay.engine.kv")
 
 PAGE = mmap.PAGESIZE
 PREFAULT_BYTES = 64 << 20   # an engine's slots mapped ahead of their first save
+# Hidden states kept per slot, one per save point: a resume can start at any of the last
+# RING save points without a prefill (an engine can run a few chunks ahead of its caller).
+RING = 8
 MAGIC = b"EKVS0001"
 # magic, slots, positions, layers, heads, head_dim, hidden, dtype code, pid
 _META = struct.Struct("<8siiiiiiii")
 TABLE = np.dtype([("digest", "<u8", (2,)), ("version", "<i8"), ("covered", "<i8"),
-                  ("kv_sum", "<u8"), ("hidden_at", "<i8", (2,)), ("hidden_sum", "<u8", (2,)),
+                  ("kv_sum", "<u8"), ("hidden_at", "<i8", (RING,)),
+                  ("hidden_sum", "<u8", (RING,)),
                   ("created_ns", "<i8"), ("state", "<i8")])
 DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<i2")}
 _NAMES = list(DTYPES)
@@ -132,7 +136,7 @@ class Slab:
         self.slots, self.positions, self.shape = slots, positions, shape
         item = DTYPES[shape.dtype].itemsize
         self.table_bytes = _round(_META.size + TABLE.itemsize * slots)
-        raw = 4 * positions + shape.position_bytes() * positions + 2 * item * shape.hidden
+        raw = 4 * positions + shape.position_bytes() * positions + RING * item * shape.hidden
         self.stride = _round(raw)
         self.table = np.ndarray((slots,), TABLE, mm, _META.size)
         base = self.table_bytes
@@ -141,7 +145,7 @@ class Slab:
                       *np.empty(shape.kv_shape, DTYPES[shape.dtype]).strides)
         self.kv = np.ndarray((slots, positions, *shape.kv_shape), DTYPES[shape.dtype], mm,
                              base + 4 * positions, kv_strides)
-        self.hidden = np.ndarray((slots, 2, shape.hidden), DTYPES[shape.dtype], mm,
+        self.hidden = np.ndarray((slots, RING, shape.hidden), DTYPES[shape.dtype], mm,
                                  base + 4 * positions + shape.position_bytes() * positions,
                                  (self.stride, item * shape.hidden, item))
 
@@ -156,7 +160,7 @@ class Slab:
         path = node_dir / f"slab-{pid}-{time.monotonic_ns()}.kvs"
         size = _round(_META.size + TABLE.itemsize * slots) + slots * _round(
             4 * positions + shape.position_bytes() * positions
-            + 2 * DTYPES[shape.dtype].itemsize * shape.hidden)
+            + RING * DTYPES[shape.dtype].itemsize * shape.hidden)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)   # sparse: pages are node memory only once written
@@ -224,10 +228,10 @@ def _found(kv: np.ndarray, hidden: np.ndarray, hidden_at: np.ndarray, hidden_ok:
            usable: int, length: int) -> tuple[Found | None, str]:
     """What a checked cache gives a request whose context (``length`` tokens) agrees with its
     first ``usable`` positions: all of them with the state after the last (``adopted``),
-    when one of its two saved states is at exactly that position; else all but what must be
-    prefilled again to have that state (``partial``)."""
+    when one of its saved states (the last :data:`RING` save points) is at exactly that
+    position; else all but what must be prefilled again to have that state (``partial``)."""
     if usable == length:
-        for j in (0, 1):   # the state at the last save point, or the one before
+        for j in range(RING):
             if int(hidden_at[j]) == usable and bool(hidden_ok[j]):
                 return Found(kv[:usable], hidden[j]), "adopted"
     keep = usable if usable < length else usable - 1
@@ -266,6 +270,7 @@ class HandoffStore:
         self._sum = np.zeros(slots, np.uint64)
         self._versions = [-1] * slots   # a list: read per key, where numpy is slow
         self._resident = np.zeros(slots, np.int64)   # positions whose pages are mapped
+        self._saves = np.zeros(slots, np.int64)      # saves into each slot: its ring index
         self._since_scan = 0
         self._others: dict[Path, Slab] = {}
         self.counts: Counter[str] = Counter()
@@ -314,6 +319,7 @@ class HandoffStore:
             new = np.array([slot for slot, _ in fresh])
             self._covered[new] = 0
             self._sum[new] = 0
+            self._saves[new] = 0
             table = self.slab.table
             table["state"][new] = 0
             table["digest"][new] = np.stack([digest(key) for _, key in fresh])
@@ -355,15 +361,14 @@ class HandoffStore:
         self._resident[slots] = np.maximum(self._resident[slots], covered)
         table = self.slab.table
         table["kv_sum"][slots] = self._sum[slots]
-        # The state at the previous save point is kept beside the new one: a failed
-        # engine's last chunk may have been saved but never streamed, and a resume from the
-        # chunk before then needs no prefill either.
-        self.slab.hidden[slots, 1] = self.slab.hidden[slots, 0]
-        table["hidden_at"][slots, 1] = table["hidden_at"][slots, 0]
-        table["hidden_sum"][slots, 1] = table["hidden_sum"][slots, 0]
-        self.slab.hidden[slots, 0] = hidden
-        table["hidden_sum"][slots, 0] = word_sums(hidden)
-        table["hidden_at"][slots, 0] = covered
+        # The state at each of the last RING save points, in a ring: a failed engine may
+        # have saved chunks its caller never received, and a resume from any of them needs
+        # no prefill either.
+        ring = self._saves[slots] % RING
+        self._saves[slots] += 1
+        slab.hidden[slots, ring] = hidden
+        table["hidden_sum"][slots, ring] = word_sums(hidden)
+        table["hidden_at"][slots, ring] = covered
         table["covered"][slots] = covered
         table["state"][slots] = 1
         written = len(tokens) * (self.shape.position_bytes() + 4)
@@ -481,7 +486,8 @@ class HandoffStore:
         per = word_sums(kv.reshape(n * width, -1)).reshape(n, width) + \
             tokens.astype(np.uint64)
         intact = np.where(inside, per, np.uint64(0)).sum(axis=1) == rows["kv_sum"]
-        hidden_ok = word_sums(hidden.reshape(n * 2, -1)).reshape(n, 2) == rows["hidden_sum"]
+        hidden_ok = word_sums(hidden.reshape(n * RING, -1)).reshape(n, RING) == \
+            rows["hidden_sum"]
         lengths = np.array([len(c) for c in contexts])
         ctx = np.full((n, width), -1, np.int64)
         for i, c in enumerate(contexts):

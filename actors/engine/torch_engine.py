@@ -136,8 +136,9 @@ def _handoff(model: Policy, options: dict[str, Any] | None, slots: int) -> KVHan
     except Exception:  # noqa: BLE001 - outside Ray: one node
         pass
     try:
+        # Twice the batch: a finished request keeps its slot one step longer (_step).
         return KVHandoff(model, Path(options["dir"]) / node, int(options["budget_bytes"]),
-                         slots)
+                         2 * slots)
     except (OSError, ValueError) as exc:
         log.warning("KV hand-off is off for this engine: %s", exc)
         return None

@@ -139,9 +139,9 @@ def test_an_adopter_continues_token_for_token_without_prefilling(model: PolicyMo
 
 def test_a_chunk_saved_but_never_streamed_still_resumes_without_prefill(
         model: PolicyModel, tmp_path: Path) -> None:
-    """The engine saved a chunk and died before streaming it, or before streaming the first:
-    the cache is ahead of the journal by one chunk, and the state kept from the save before
-    makes the adoption whole."""
+    """The engine saved chunks and died before streaming them, or before streaming the first:
+    the cache is ahead of the journal, and the states kept from the last save points make
+    the adoption whole."""
     reqs = [dataclasses.replace(r, chunk_tokens=1) for r in requests(4)]
     want = reference(model, reqs)
     saver = KVHandoff(model, tmp_path, GIB, 32)
@@ -155,9 +155,9 @@ def test_a_chunk_saved_but_never_streamed_still_resumes_without_prefill(
         saver.save(batch, 0)
         for i, seq in enumerate(seqs):
             chunk = seq.take_chunk(0)
-            if chunk is not None and (step < 2 or i % 2):   # rows 0, 2 lose the last chunk
+            if chunk is not None and step < 3 - i % 3:   # rows 1, 2 lose 1, 2 chunks
                 streamed[i] += chunk.token_ids
-    assert [len(s) for s in streamed] == [2, 3, 2, 3]
+    assert [len(s) for s in streamed] == [3, 2, 1, 3]
     adopter = KVHandoff(model, tmp_path, GIB, 32)
     again = resumed(reqs, streamed)
     assert finish(model, adopter, again) == 0
