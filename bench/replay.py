@@ -49,7 +49,10 @@ line; the figures without a suffix are the faulted run's with the hand-off on:
   them (``continued_at`` on the first chunk of each); ``continued_at_mean`` is the mean
   completion position they began at
 - ``prefill_tokens_recomputed_without_handoff``: the same figure in the faulted run with the
-  hand-off off; ``prefill_recomputed_vs_without`` is the first over it (target <= 0.05)
+  hand-off off; ``prefill_recomputed_vs_without`` is the first over it (target <= 0.05).
+  Both count every resumed call, also those the failed engine held but had not admitted
+  yet (no KV to hand off: its batch was full); ``..._mid_decode`` restricts both to resumed
+  calls with a journaled prefix, which their engine had surely started
 - ``kv_handoff_paths``: the resumed calls by the path their cache took (``adopted``,
   ``partial``; or why they were prefilled again), ``kv_adopted``/``kv_fallbacks`` their sums;
   ``resume_ms_p50_without_handoff`` and ``identical_to_fault_free_without_handoff`` are the
@@ -142,6 +145,7 @@ class ResumedCall:
     resumed: bool
     context: int             # prompt + prefix tokens the call sent
     reported: bool = False   # a chunk came back, with the engine's prefill count
+    prefix: int = 0          # completion tokens received before (0: none reached the caller)
 
 
 @dataclass
@@ -163,13 +167,19 @@ class PrefillLedger:
     resumed_prefill: int = 0       # reported by the engines, resumed calls
     resumed_unreported: int = 0
     resumed_reported_context: int = 0   # context sent by the resumed calls that reported
+    # Resumed calls with a prefix: their failed engine had surely started decoding them (one
+    # without may never have been admitted there, and has nothing to hand off).
+    mid_decode_calls: int = 0
+    mid_decode_prefill: int = 0
 
     def call(self, request: dict[str, Any]) -> ResumedCall:
         call = ResumedCall(turn_of(request["request_id"]),
                            turn_of(request["request_id"]) in self.failed_turns,
-                           len(request["prompt_ids"]) + len(request["prefix_ids"]))
+                           len(request["prompt_ids"]) + len(request["prefix_ids"]),
+                           prefix=len(request["prefix_ids"]))
         if call.resumed:
             self.resumed_calls += 1
+            self.mid_decode_calls += call.prefix > 0
             self.resumed_prefix += len(request["prefix_ids"])
             self.resumed_context += call.context
         return call
@@ -179,6 +189,8 @@ class PrefillLedger:
         self.prefill_all += prefill
         if call.resumed:
             self.resumed_prefill += prefill
+            if call.prefix:
+                self.mid_decode_prefill += prefill
             call.reported = True
 
     def ended(self, call: ResumedCall, failed: bool) -> None:
@@ -193,6 +205,8 @@ class PrefillLedger:
     def figures(self) -> dict[str, Any]:
         return {"prefill_tokens_recomputed": self.resumed_prefill,
                 "resumed_calls": self.resumed_calls,
+                "prefill_tokens_recomputed_mid_decode": self.mid_decode_prefill,
+                "resumed_calls_mid_decode": self.mid_decode_calls,
                 "resumed_context_tokens": self.resumed_context,
                 "resumed_prefix_tokens": self.resumed_prefix,
                 "resumed_calls_unreported": self.resumed_unreported,
@@ -486,6 +500,8 @@ def handoff_figures(on: PrefillLedger, off: PrefillLedger, job_on: Job, job_off:
     assert job_on.coordinator is not None and job_off.coordinator is not None
     with_ = on.figures()["prefill_tokens_recomputed"]
     without = off.figures()["prefill_tokens_recomputed"]
+    mid_with = on.figures()["prefill_tokens_recomputed_mid_decode"]
+    mid_without = off.figures()["prefill_tokens_recomputed_mid_decode"]
     paths = dict(job_on.coordinator.runner.kv_handoffs)
     stages = resume_stages(killed_off, job_off.coordinator.runner.resumes)
     want = {m["step"]: m["tokens_digest"] for m in clean.run_dir.rl_steps()}
@@ -494,6 +510,9 @@ def handoff_figures(on: PrefillLedger, off: PrefillLedger, job_on: Job, job_off:
         "prefill_tokens_recomputed_without_handoff": without,
         "resumed_calls_without_handoff": off.figures()["resumed_calls"],
         "prefill_recomputed_vs_without": round(with_ / without, 4) if without else None,
+        "prefill_tokens_recomputed_mid_decode_without_handoff": mid_without,
+        "prefill_recomputed_vs_without_mid_decode": round(mid_with / mid_without, 4)
+        if mid_without else None,
         "kv_handoff_paths": paths,
         "kv_adopted": sum(paths.get(r, 0) for r in ADOPTED),
         "kv_fallbacks": sum(paths.get(r, 0) for r in FALLBACKS),
@@ -566,6 +585,7 @@ def main() -> None:
                "tokens_regenerated_after_fault": "0", "resume_ms_p50": "<= 100",
                "prefill_tokens_recomputed": "reported",
                "prefill_recomputed_vs_without": "<= 0.05",
+               "prefill_recomputed_vs_without_mid_decode": "<= 0.05",
                "kv_save_decode_overhead": "<= 1.05",
                "identical_to_fault_free": "true" if torch_lane else "n/a",
                "identical_to_fault_free_without_handoff": "true"}

@@ -57,6 +57,20 @@ def test_a_call_after_its_turn_failed_counts_what_its_engine_prefilled_as_recomp
     assert figures["prefill_recomputed_ratio"] == pytest.approx(6 / 11, abs=1e-4)
 
 
+def test_only_resumed_calls_with_a_prefix_count_as_mid_decode() -> None:
+    ledger = PrefillLedger()
+    for turn, prefix, prefill in (("a/t0", 2, 0), ("b/t0", 0, 5)):
+        first = ledger.call(request(0, turn=turn))
+        ledger.ended(first, failed=True)
+        again = ledger.call(request(1, prefix=prefix, turn=turn))
+        ledger.chunk(again, chunk(prefill))
+        ledger.ended(again, failed=False)
+    figures = ledger.figures()
+    assert (figures["prefill_tokens_recomputed"], figures["resumed_calls"]) == (5, 2)
+    assert (figures["prefill_tokens_recomputed_mid_decode"],
+            figures["resumed_calls_mid_decode"]) == (0, 1)
+
+
 def test_calls_of_a_turn_that_never_failed_are_not_resumed_even_with_a_prefix() -> None:
     ledger = PrefillLedger()
     replayed = ledger.call(request(0, prefix=3))   # a journaled turn continued after a restart
