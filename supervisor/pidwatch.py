@@ -52,6 +52,16 @@ def _beacon(started: list[int], ready: threading.Event) -> None:
     _never.wait()
 
 
+def _forget_beacons() -> None:
+    """In a forked child, which has none of its parent's threads."""
+    global _beacons_lock
+    _beacons.clear()
+    _beacons_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_beacons)
+
+
 def open_pidfd(pid: int) -> int | None:
     """A pidfd for ``pid``, or None where this OS gives none.
 

@@ -240,14 +240,15 @@ def test_a_process_is_watched_through_its_beacon_threads() -> None:
     try:
         assert proc.stdout is not None and proc.stdin is not None
         tids = [int(t) for t in proc.stdout.readline().split()]
+        stdin = proc.stdin
 
         async def scenario(watch: PidWatch) -> tuple[int, bool]:
             before = open_fds()
             exited = asyncio.Event()
             watch.watch("p", proc.pid, exited.set, threads=tids)
             opened = open_fds() - before   # one per thread, none for the process
-            proc.stdin.write("end the first thread\n")
-            proc.stdin.flush()
+            stdin.write("end the first thread\n")
+            stdin.flush()
             await asyncio.wait_for(exited.wait(), 10)
             return opened, proc.poll() is None
 
@@ -291,3 +292,17 @@ def test_without_pidfds_for_threads_the_process_pidfd_is_watched(
         return opened, open_fds() == before
 
     assert run(scenario) == (1, True)
+
+
+def test_a_forked_child_starts_beacons_of_its_own() -> None:
+    parents = exit_beacons()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: report its beacons and leave at once
+        os.write(write, " ".join(map(str, exit_beacons())).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        childs = [int(t) for t in pipe.read().split()]
+    os.waitpid(pid, 0)
+    assert len(childs) == 2 and not set(childs) & set(parents)
