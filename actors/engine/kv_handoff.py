@@ -7,14 +7,15 @@ Each engine process keeps one *slab* there, ``<node id>/slab-<pid>-<ns>.kvs``: a
 memory-mapped file that outlives the process (``/dev/shm`` by default, so it is node memory,
 not disk).  The engine writes into its slab; another engine on the node reads it.
 
-**Layout.**  A slab has one *slot* per request the engine may decode at once (its
-``max_batch``): the request's context tokens, each position's keys and values
-(``[positions, 2, layers, heads, head_dim]``, the model's dtype), and the hidden state of the
-last position saved (the next token's logits follow from it).  A table at the front names
-each slot's request by a digest of its *key* (the caller's name for the work, the same on
-every attempt: the rollout runner's ``<rollout id>/t<turn>``), with the policy version, the
-positions covered, when it was created, and checksums.  Slots are page-aligned, so a freed
-slot's pages go back to the node at once (``MADV_REMOVE``).
+**Layout** (:mod:`erlay.actors.engine.kv_slab`).  A slab has one *slot* per request the
+engine may decode at once (twice its ``max_batch``): the request's context tokens, each
+position's keys and values (``[positions, 2, layers, heads, head_dim]``, the model's
+dtype), and the hidden states of its last save points (the next token's logits follow from
+them).  A table at the front names each slot's request by a digest of its *key* (the
+caller's name for the work, the same on every attempt: the rollout runner's ``<rollout
+id>/t<turn>``), with the policy version, the positions covered, when it was created, and
+checksums.  Slots are page-aligned, so a freed slot's pages can go back to the node at once
+(``MADV_REMOVE``).
 
 **Incremental, batched.**  :meth:`HandoffStore.write` stores the positions added since the
 last save of many requests in one vectorised assignment, then updates their table rows:
@@ -44,11 +45,9 @@ run directory goes at the end of the run.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import mmap
 import os
-import struct
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -56,22 +55,19 @@ from pathlib import Path
 
 import numpy as np
 
+from erlay.actors.engine.kv_slab import (
+    RING,
+    Shape,
+    Slab,
+    digest,
+    pid_alive,
+    word_sums,
+)
+
 log = logging.getLogger("erlay.engine.kv")
 
-PAGE = mmap.PAGESIZE
 PREFAULT_BYTES = 64 << 20   # an engine's slots mapped ahead of their first save
-# Hidden states kept per slot, one per save point: a resume can start at any of the last
-# RING save points without a prefill (an engine can run a few chunks ahead of its caller).
-RING = 8
-MAGIC = b"EKVS0001"
-# magic, slots, positions, layers, heads, head_dim, hidden, dtype code, pid
-_META = struct.Struct("<8siiiiiiii")
-TABLE = np.dtype([("digest", "<u8", (2,)), ("version", "<i8"), ("covered", "<i8"),
-                  ("kv_sum", "<u8"), ("hidden_at", "<i8", (RING,)),
-                  ("hidden_sum", "<u8", (RING,)),
-                  ("created_ns", "<i8"), ("state", "<i8")])
-DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<i2")}
-_NAMES = list(DTYPES)
+
 
 # Which path a resumed request took (TokenChunk.kv_handoff, counted by the rollout runner):
 # its saved cache covered the whole context ("adopted") or a prefix of it ("partial", the
@@ -85,26 +81,6 @@ REASONS = (*ADOPTED, *FALLBACKS)
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What a slab holds per position: ``layers x heads x head_dim`` keys and values in
-    ``dtype`` (a :data:`DTYPES` name), and a ``hidden``-wide hidden state per slot."""
-
-    layers: int
-    heads: int
-    head_dim: int
-    hidden: int
-    dtype: str
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int, int]:
-        return (2, self.layers, self.heads, self.head_dim)
-
-    def position_bytes(self) -> int:
-        """Bytes of KV per token, keys and values of every layer."""
-        return 2 * self.layers * self.heads * self.head_dim * DTYPES[self.dtype].itemsize
-
-
-@dataclass(frozen=True)
 class Found:
     """A cache found for a request: the keys and values of its first ``len(kv)`` context
     positions (``[n, 2, layers, heads, head_dim]``, raw dtype) and the hidden state of the
@@ -112,116 +88,6 @@ class Found:
 
     kv: np.ndarray
     hidden: np.ndarray | None
-
-
-def digest(key: str) -> np.ndarray:
-    return np.frombuffer(hashlib.blake2b(key.encode(), digest_size=16).digest(), "<u8")
-
-
-def word_sums(a: np.ndarray) -> np.ndarray:
-    """Per row of ``a``: the sum of its 64-bit words, mod 2^64 (of its 32-bit words, widened,
-    when a row is not whole 64-bit words)."""
-    rows = np.ascontiguousarray(a).reshape(len(a), -1)
-    if rows.nbytes % (8 * max(len(a), 1)) == 0:
-        return rows.view("<u8").sum(axis=1)
-    return rows.view("<u4").sum(axis=1, dtype=np.uint64)
-
-
-class Slab:
-    """One engine's slab file, mapped (see the module docstring)."""
-
-    def __init__(self, path: Path, mm: mmap.mmap, slots: int, positions: int,
-                 shape: Shape, pid: int) -> None:
-        self.path, self.mm, self.pid = path, mm, pid
-        self.slots, self.positions, self.shape = slots, positions, shape
-        item = DTYPES[shape.dtype].itemsize
-        self.table_bytes = _round(_META.size + TABLE.itemsize * slots)
-        raw = 4 * positions + shape.position_bytes() * positions + RING * item * shape.hidden
-        self.stride = _round(raw)
-        self.table = np.ndarray((slots,), TABLE, mm, _META.size)
-        base = self.table_bytes
-        self.tokens = np.ndarray((slots, positions), "<i4", mm, base, (self.stride, 4))
-        kv_strides = (self.stride, shape.position_bytes(),
-                      *np.empty(shape.kv_shape, DTYPES[shape.dtype]).strides)
-        self.kv = np.ndarray((slots, positions, *shape.kv_shape), DTYPES[shape.dtype], mm,
-                             base + 4 * positions, kv_strides)
-        self.hidden = np.ndarray((slots, RING, shape.hidden), DTYPES[shape.dtype], mm,
-                                 base + 4 * positions + shape.position_bytes() * positions,
-                                 (self.stride, item * shape.hidden, item))
-
-    @property
-    def size(self) -> int:
-        return self.table_bytes + self.slots * self.stride
-
-    @classmethod
-    def create(cls, node_dir: Path, slots: int, positions: int, shape: Shape) -> Slab:
-        node_dir.mkdir(parents=True, exist_ok=True)
-        pid = os.getpid()
-        path = node_dir / f"slab-{pid}-{time.monotonic_ns()}.kvs"
-        size = _round(_META.size + TABLE.itemsize * slots) + slots * _round(
-            4 * positions + shape.position_bytes() * positions
-            + RING * DTYPES[shape.dtype].itemsize * shape.hidden)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)   # sparse: pages are node memory only once written
-            os.pwrite(fd, _META.pack(MAGIC, slots, positions, shape.layers, shape.heads,
-                                     shape.head_dim, shape.hidden, _NAMES.index(shape.dtype),
-                                     pid), 0)
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        return cls(path, mm, slots, positions, shape, pid)
-
-    @classmethod
-    def open(cls, path: Path) -> Slab | None:
-        """Map another engine's slab; None if it is gone or not a whole slab."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            return None
-        try:
-            head = os.pread(fd, _META.size, 0)
-            if len(head) != _META.size:
-                return None
-            magic, slots, positions, layers, heads, head_dim, hidden, code, pid = \
-                _META.unpack(head)
-            if magic != MAGIC or not 0 <= code < len(_NAMES):
-                return None
-            shape = Shape(layers, heads, head_dim, hidden, _NAMES[code])
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size)
-        except (OSError, ValueError, struct.error):
-            return None
-        finally:
-            os.close(fd)
-        try:
-            return cls(path, mm, slots, positions, shape, pid)
-        except (TypeError, ValueError):   # too small for what its header says
-            mm.close()
-            return None
-
-    def free(self, slots: list[int] | np.ndarray, *, punch: bool = True) -> None:
-        """Invalidate ``slots``; ``punch`` gives their pages back to the node."""
-        for slot in np.asarray(slots, dtype=np.int64).tolist():
-            self.table["state"][slot] = 0
-            if punch:
-                self.punch(slot)
-
-    def punch(self, slot: int) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.mm.madvise(mmap.MADV_REMOVE, self.table_bytes + slot * self.stride,
-                            self.stride)
-
-    def used_bytes(self) -> int:
-        valid = self.table["state"] == 1
-        return int(self.table["covered"][valid].sum()) * self.shape.position_bytes()
-
-    def close(self) -> None:
-        # Views into the map must go before it can close; a live one keeps it open.
-        for name in ("table", "tokens", "kv", "hidden"):
-            self.__dict__.pop(name, None)
-        with contextlib.suppress(BufferError):
-            self.mm.close()
 
 
 def _found(kv: np.ndarray, hidden: np.ndarray, hidden_at: np.ndarray, hidden_ok: np.ndarray,
@@ -238,20 +104,6 @@ def _found(kv: np.ndarray, hidden: np.ndarray, hidden_at: np.ndarray, hidden_ok:
     if keep == 0:
         return None, "mismatch"
     return Found(kv[:keep], None), "partial"
-
-
-def _round(n: int) -> int:
-    return -(-n // PAGE) * PAGE
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class HandoffStore:
@@ -454,7 +306,7 @@ class HandoffStore:
                 results.setdefault(i, []).append((covered, *got))
             # Taken (or useless to anyone): the adopter saves these requests in its own slab.
             table["state"][slots] = 0
-            if not _alive(slab.pid) and not (table["state"] == 1).any():
+            if not pid_alive(slab.pid) and not (table["state"] == 1).any():
                 self._drop_slab(slab)
         out: list[tuple[Found | None, str]] = []
         for i in range(len(keys)):
@@ -538,7 +390,7 @@ class HandoffStore:
             return 0
         mine = {slot: key for key, slot in self._slot.items()}
         victims = []
-        for slab in [self.slab, *(s for s in slabs if not _alive(s.pid))]:
+        for slab in [self.slab, *(s for s in slabs if not pid_alive(s.pid))]:
             table = slab.table
             for slot in np.flatnonzero(table["state"] == 1).tolist():
                 victims.append((int(table["created_ns"][slot]), slab, slot,
@@ -565,7 +417,7 @@ class HandoffStore:
         engines' slabs with no valid slot; returns the slots freed."""
         freed = 0
         for slab in self._slabs():
-            if _alive(slab.pid):
+            if pid_alive(slab.pid):
                 continue
             table = slab.table
             old = np.flatnonzero((table["state"] == 1) & (table["version"] < oldest_kept))

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from erlay.actors.engine.core import Adoption, DecodeBatch, Sequence
-from erlay.actors.engine.kv_handoff import DTYPES, Found, HandoffStore, Shape
+from erlay.actors.engine.kv_handoff import Found, HandoffStore
+from erlay.actors.engine.kv_slab import DTYPES, Shape
 from erlay.actors.model.build import Policy
 from erlay.actors.model.policy import KVBuffer
 

@@ -21,13 +21,12 @@ from erlay.actors.engine.api import GenerationRequest
 from erlay.actors.engine.core import DecodeBatch, Sequence
 from erlay.actors.engine.kv_handoff import (
     HandoffStore,
-    Slab,
-    digest,
     driver_owner,
     prepare_run_dir,
     remove_run_dir,
 )
 from erlay.actors.engine.kv_saver import KVHandoff, probe_shape
+from erlay.actors.engine.kv_slab import Slab, digest
 from erlay.actors.model.policy import PolicyConfig, PolicyModel
 
 CONFIG = PolicyConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=48)
@@ -347,7 +346,7 @@ def test_the_run_directory_is_made_owned_and_removed_and_dead_drivers_runs_swept
 
 
 def test_one_store_write_covers_many_requests_with_their_checksums(tmp_path: Path) -> None:
-    from erlay.actors.engine.kv_handoff import Shape, word_sums
+    from erlay.actors.engine.kv_slab import Shape, word_sums
     shape = Shape(1, 1, 2, 2, "float32")
     store = HandoffStore(tmp_path, GIB, shape, 4, 8)
     slots, covered = store.claim(["a", "b"], 0)

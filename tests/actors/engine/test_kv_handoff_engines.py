@@ -78,5 +78,5 @@ def _dead(stream: Any) -> bool:
             ray.get(next(stream), timeout=30)
     except StopIteration:
         return False
-    except Exception:  # noqa: BLE001 - the stream of a killed actor raises
+    except Exception:
         return True
