@@ -44,6 +44,7 @@ from erlay.actors.job.node_runtime import (
     declared_env,
     finish_nodes,
     prepare_nodes,
+    remove_handoff,
 )
 from erlay.actors.job.seam import CoordinatorContext, DomainPaths
 from erlay.actors.job.validation import environment_spec
@@ -486,6 +487,7 @@ class Job:
             # Seed JIT caches, make the KV hand-off directory; stack versions agree, or stop.
             prepare_nodes(cfg.node, nodes, self.handoff_dir())
         except Exception as exc:  # noqa: BLE001 - a lost node, a timeout: end cleanly, say why
+            remove_handoff(nodes, self.handoff_dir())   # made on the nodes that answered
             if ray_info["started"]:
                 shutdown_ray()
             why = (f"nodes run different versions; nothing was started:\n{exc.table}"

@@ -162,6 +162,18 @@ def _remove_handoff(label: str, root: str, run_id: str) -> bool:
     return remove_run_dir(Path(root), run_id)
 
 
+def remove_handoff(nodes: list[str], handoff: HandoffDir | None) -> None:
+    """Remove the run's KV hand-off directory on every node.  Never raises: a job that
+    ended keeps its result."""
+    if handoff is None:
+        return
+    try:
+        _on_each_node(nodes, _remove_handoff, handoff.root, handoff.run_id, timeout_s=60.0)
+    except Exception:
+        log.warning("removing the KV hand-off caches of %s failed on some node",
+                    handoff.run_id, exc_info=True)
+
+
 def finish_nodes(cfg: NodeSection, nodes: list[str], run_id: str,
                  handoff: HandoffDir | None = None) -> list[str]:
     """Remove the run's KV hand-off directory on every node; offer every node's caches for

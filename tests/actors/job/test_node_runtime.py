@@ -69,8 +69,10 @@ def test_a_job_whose_nodes_differ_stops_before_anything_starts(
         tmp_path: Path, fresh_ray: None, monkeypatch: pytest.MonkeyPatch) -> None:
     real = node_runtime.gather_reports
 
-    def with_an_older_node(cfg: NodeSection, nodes: list[str]) -> list[node_runtime.NodeReport]:
-        (here,) = real(cfg, nodes)
+    def with_an_older_node(cfg: NodeSection, nodes: list[str],
+                           handoff: node_runtime.HandoffDir | None = None
+                           ) -> list[node_runtime.NodeReport]:
+        (here,) = real(cfg, nodes, handoff=handoff)
         other = replace(here, node="node-1", versions={**here.versions, "torch": "2.12.0"})
         return [here, other]
     monkeypatch.setattr(node_runtime, "gather_reports", with_an_older_node)
@@ -82,3 +84,6 @@ def test_a_job_whose_nodes_differ_stops_before_anything_starts(
     assert "2.12.0" in result.reason and "node-1" in result.reason
     assert job.tree is None and not job.run_dir.read_metrics()
     assert "2.12.0" in job.run_dir.summary.read_text()
+    handoff = job.handoff_dir()
+    assert handoff is not None and not Path(handoff.path).exists(), \
+        "the KV hand-off directory made before the check is gone"
