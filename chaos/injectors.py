@@ -170,14 +170,15 @@ class Injector:
 
     def signal(self, kind: str, pattern: str, *, stop_s: float | None = None,
                expect: str = "restart", during: str | None = None,
-               process: str = "child") -> FaultRecord:
+               process: str = "child", wait_s: float = 3.0) -> FaultRecord:
         """SIGKILL, SIGTERM or SIGSTOP (then SIGCONT after ``stop_s``; never, if None: a
         hang for the child's progress deadline to find) of one child's process; with
-        ``during``, once the child holds work in that phase.  ``process="checkpoint_writer"``
+        ``during``, once the child holds work in that phase (waiting up to ``wait_s``).
+        ``process="checkpoint_writer"``
         signals a learner rank's checkpoint writer instead, once it holds a save."""
         path = self.resolve(pattern)
         missed = ""
-        if during is not None and not self.wait_for_phase(path, during):
+        if during is not None and not self.wait_for_phase(path, during, wait_s):
             log.warning("chaos: %s never entered %s; signalling it anyway", path, during)
             missed = f", outside {during} (not seen in it within the wait)"
         pid = self._pid(path)

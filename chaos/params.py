@@ -123,6 +123,8 @@ class CountBounds(_Model):
 class SignalParams(_Model):
     during: str | None = Field(None, description="wait until the target holds work in this "
                                "progress phase, then inject (e.g. decode_step, tool_call)")
+    wait_s: float = Field(3.0, gt=0, le=600, description="with during: how long to wait for "
+                          "that phase before injecting anyway (said in the fault record)")
 
 
 class SigstopParams(SignalParams):

@@ -322,7 +322,8 @@ def inject_one(injector: Injector, spec: FaultSpec) -> FaultRecord:
         case "sigkill" | "sigterm" | "sigstop":
             return injector.signal(spec.inject, spec.target, stop_s=params.get("stop_s"),
                                    expect=expect, during=params.get("during"),
-                                   process=params.get("process", "child"))
+                                   process=params.get("process", "child"),
+                                   wait_s=float(params.get("wait_s", 3.0)))
         case "ray_kill":
             return injector.ray_kill(spec.target, expect=expect)
         case "failpoint":
