@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -130,3 +131,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(_session.exitstatus))
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that lives until the test kills it (or the fixture does): a stand-in for a
+    child's process whose exit a test watches."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -21,15 +21,6 @@ from erlay.supervisor.pidwatch import PIDFD_THREAD, PidWatch, exit_beacons
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    """A process that lives until the test kills it (or the fixture does)."""
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def run(scenario: Callable[[PidWatch], Awaitable[Any]]) -> Any:

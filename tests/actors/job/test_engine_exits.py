@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,15 +23,6 @@ from erlay.actors.job.engine_exits import EngineExits, EngineProcessExited, Exit
 from erlay.supervisor.errors import ChildNotRunning
 
 HERE = "node-here"
-
-
-@pytest.fixture
-def sleeper() -> Iterator[subprocess.Popen[bytes]]:
-    """The fake engine's process: it lives until the test kills it."""
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 class LocalEngine:
