@@ -35,6 +35,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from erlay.actors.config.algorithm import AlgorithmSection
 from erlay.actors.config.control import ControlSection
 from erlay.actors.config.data import DataSection
 from erlay.actors.config.handoff import KVHandoffSection
@@ -429,6 +430,7 @@ class JobConfig(Section):
     data: DataSection = DataSection()
     engine: EngineSection = EngineSection()
     learner: LearnerSection = LearnerSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
     warm_start: WarmStartSection = WarmStartSection()
     rollout: RolloutSection = RolloutSection()
     environment: EnvironmentSection = EnvironmentSection()
@@ -448,6 +450,14 @@ class JobConfig(Section):
         if self.engine.spec_k > self.model.mtp_heads:
             raise ValueError(f"engine.spec_k {self.engine.spec_k} needs at least that many "
                              f"MTP heads; model.mtp_heads is {self.model.mtp_heads}")
+        return self
+
+    @model_validator(mode="after")
+    def _objective_on_megatron(self) -> JobConfig:
+        if self.learner.backend == "megatron" and self.algorithm.name != "grpo":
+            raise ValueError(f"algorithm.name {self.algorithm.name!r} is not wired into "
+                             "learner.backend megatron (its pipeline schedule computes the "
+                             "GRPO loss itself); use backend replicated or fsdp2, or grpo")
         return self
 
     @model_validator(mode="after")

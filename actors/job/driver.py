@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
+from erlay.actors.config.algorithm import objective
 from erlay.actors.control.policy import Action
 from erlay.actors.engine.kv_handoff import driver_owner
 from erlay.actors.job.coordinator import RolloutCoordinator
@@ -118,6 +119,7 @@ def learner_options(cfg: JobConfig, rank: int, *, rendezvous: str | None,
     learner = cfg.learner
     vllm = cfg.engine.vllm
     return LearnerOptions(
+        objective=objective(cfg.algorithm, cfg.engine.max_new_tokens),
         lr=learner.lr, weight_decay=learner.weight_decay, max_grad_norm=learner.max_grad_norm,
         clip_eps=learner.clip_eps, is_cap=learner.is_cap, kl_coef=learner.kl_coef,
         temperature=cfg.engine.temperature, lr_decay_steps=learner.lr_decay_steps,

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import distributed as dist
 
+from erlay.actors.learner.advantages import step_advantages
 from erlay.actors.learner.batch import (
     TOKEN_WEIGHTED,
     TrainBatch,
@@ -60,7 +61,7 @@ from erlay.actors.learner.fsdp import (
     optimizer_by_name,
     trainable_names,
 )
-from erlay.actors.learner.grpo import group_advantages, grpo_loss
+from erlay.actors.learner.objectives import policy_loss
 from erlay.actors.learner.options import LOOPBACK, LearnerOptions, resolve
 from erlay.actors.model.build import Policy, build_policy, publish_state, shape_of
 from erlay.actors.model.mtp import mtp_loss
@@ -123,6 +124,7 @@ class LearnerCore:
         self.reference = self._frozen_copy() if o.kl_coef > 0 else None
         self.max_grad_norm, self.clip_eps, self.is_cap = o.max_grad_norm, o.clip_eps, o.is_cap
         self.kl_coef, self.seed, self.minibatches = o.kl_coef, o.seed, o.minibatches
+        self.objective = o.objective
         # The engines' sampling temperature: RL logprobs are scored under the same tempered
         # distribution as the behaviour logprobs, or the importance weights would be wrong.
         self.temperature = o.temperature
@@ -174,13 +176,16 @@ class LearnerCore:
     # ------------------------------------------------------------------------- updates
     def train_step(self, batch: dict[str, Any] | TrainBatch,
                    expected_step: int | None = None) -> dict[str, float]:
-        """One GRPO update on ``batch`` (a :class:`TrainBatch` or its ``to_dict()``).
+        """One policy update on ``batch`` (a :class:`TrainBatch` or its ``to_dict()``) with
+        ``options.objective`` (GRPO by default).
 
-        Advantages come from the whole batch's groups.  Proximal (and reference) logprobs for
-        every minibatch are computed first, with no gradient, before any weight moves; then
-        one optimiser step per minibatch.  The first minibatch runs on the proximal weights
-        themselves, so its own forward pass yields its proximal logprobs (detached) and the
-        separate no-grad pass is skipped for it: one forward fewer per step, same values.
+        Advantages come from the whole batch (:mod:`~erlay.actors.learner.advantages`).
+        Proximal (and reference) logprobs for every minibatch are computed first, with no
+        gradient, before any weight moves; then one optimiser step per minibatch.  Rows with
+        no token in the loss are left out of every forward pass.  The first minibatch runs
+        on the proximal weights themselves, so its own forward pass yields its proximal
+        logprobs (detached) and the separate no-grad pass is skipped for it: one forward
+        fewer per step, same values.
         Progress: phase ``train_step``, a tick after the proximal pass and after each
         minibatch.  Returns metrics; loss statistics are this rank's, token-weighted over
         minibatches, while ``grad_norm`` (mean over minibatches, after the all-reduce) and
@@ -200,19 +205,21 @@ class LearnerCore:
                                   self.lr_min_ratio)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            rewards = torch.tensor(tb.rewards, dtype=torch.float32)
-            valid = None if tb.valid is None else torch.tensor(tb.valid, dtype=torch.bool)
-            advantages = group_advantages(rewards, tb.group_size, valid=valid)
-            chunks = rank_minibatches(len(tb), self.minibatches, self.world_size, self.rank)
+            # Rows with no token in the loss (stale, failed, filtered by dynamic sampling)
+            # add nothing to a loss or its statistics: no forward pass is spent on them.
+            chunks = [[i for i in c if any(tb.token_mask(i))]
+                      for c in rank_minibatches(len(tb), self.minibatches, self.world_size,
+                                                self.rank)]
             fixed = [self._fixed_logprobs(tb, c, with_prox=j > 0)
                      for j, c in enumerate(chunks)]
+            advantages = step_advantages(self.objective, tb, chunks, [r for _, r in fixed],
+                                         kl_coef=self.kl_coef, all_sum=self._all_sum)
             self.progress.tick()
             sums = dict.fromkeys(TOKEN_WEIGHTED, 0.0)
             local_tokens = global_tokens = 0
             grad_norms = []
-            for chunk, (prox, ref) in zip(chunks, fixed, strict=True):
-                n_local, n_global, stats, norm = self._minibatch(tb, chunk, advantages,
-                                                                 prox, ref)
+            for chunk, adv, (prox, ref) in zip(chunks, advantages, fixed, strict=True):
+                n_local, n_global, stats, norm = self._minibatch(tb, chunk, adv, prox, ref)
                 for key in TOKEN_WEIGHTED:
                     sums[key] += stats.get(key, 0.0) * n_local
                 for key in stats:
@@ -452,12 +459,16 @@ class LearnerCore:
         with an empty chunk, because it holds the collectives."""
         self.optimizer.zero_grad()
         n_local = sum(sum(tb.token_mask(i)) for i in chunk)
-        (n_global,) = self._all_sum([float(n_local)])
+        # The unit the objective's loss is a mean over: tokens, or completions.
+        units = sum(any(tb.token_mask(i)) for i in chunk) if self.objective.per_sequence \
+            else n_local
+        n_global, units_global = self._all_sum([float(n_local), float(units)])
         stats: dict[str, float] = {}
         if n_local:
             loss, stats = self._chunk_loss(tb, chunk, advantages, prox, ref)
-            # Each rank's token mean, rescaled so the rank average is the global token mean.
-            (loss * (n_local * self.world_size / n_global)).backward()
+            # Each rank's mean, rescaled so the rank average is the mean over every rank's
+            # units: the loss one learner would take over the whole minibatch.
+            (loss * (units * self.world_size / units_global)).backward()
         elif self._fsdp is not None and n_global:
             rows = chunk or [0]
             self._idle_pass([tb.prompt_ids[i] for i in rows],
@@ -467,8 +478,9 @@ class LearnerCore:
     def _chunk_loss(self, tb: TrainBatch, chunk: list[int], advantages: torch.Tensor,
                     prox: torch.Tensor | None, ref: torch.Tensor | None
                     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The GRPO loss of one minibatch; ``prox=None`` means the weights are still the
-        proximal ones (the first minibatch)."""
+        """The objective's loss of one minibatch (``advantages``: the chunk's own);
+        ``prox=None`` means the weights are still the proximal ones (the first
+        minibatch)."""
         logp, token_mask = sequence_logprobs(self.model, [tb.prompt_ids[i] for i in chunk],
                                              [tb.completion_ids[i] for i in chunk],
                                              self.temperature)
@@ -477,9 +489,9 @@ class LearnerCore:
         width = logp.shape[1]
         behaviour = pad_rows([tb.behaviour_logprobs[i] for i in chunk], width, torch.float32)
         trained = pad_rows([tb.token_mask(i) for i in chunk], width, torch.bool)
-        loss, stats = grpo_loss(logp, prox, behaviour, advantages[chunk], token_mask & trained,
-                                clip_eps=self.clip_eps, is_cap=self.is_cap,
-                                kl_coef=self.kl_coef, ref_logp=ref)
+        loss, stats = policy_loss(self.objective, logp, prox, behaviour, advantages,
+                                  token_mask & trained, clip_eps=self.clip_eps,
+                                  is_cap=self.is_cap, kl_coef=self.kl_coef, ref_logp=ref)
         if self.mtp_loss_weight:
             extra, mtp_stats = self._mtp_term([tb.prompt_ids[i] for i in chunk],
                                               [tb.completion_ids[i] for i in chunk])

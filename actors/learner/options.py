@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from erlay.actors.learner.objectives import Objective
 
 LOOPBACK = "127.0.0.1"
 
@@ -28,7 +30,8 @@ LOOPBACK = "127.0.0.1"
 class LearnerOptions:
     """One learner rank's options (see the module docstring)."""
 
-    # The GRPO update.
+    # The policy update: the objective (GRPO by default) and the optimiser.
+    objective: Objective = field(default_factory=Objective)
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
