@@ -86,8 +86,9 @@ class Judge(Protocol):
 
     ``score`` must not raise for any model output: an answer it cannot read is a decided
     0.0 (``ok=True``), an internal failure is ``ok=False``.  ``context`` carries optional
-    extras such as ``key`` (the caller's idempotency key); judges ignore what they do not
-    use.  It may block (callers run it in a thread) but should bound its own time.
+    extras: ``key`` (the caller's idempotency key) and ``prompt`` (the episode's prompt, as
+    the environment posed it; ``""`` when the caller has none); judges ignore what they do
+    not use.  It may block (callers run it in a thread) but should bound its own time.
     """
 
     name: str

@@ -38,8 +38,8 @@ from erlay.supervisor.failpoints import failpoint
 log = logging.getLogger("erlay.judges")
 
 
-def _fingerprint(judge_input: str, answer: str) -> str:
-    return hashlib.sha256(repr((judge_input, answer)).encode()).hexdigest()
+def _fingerprint(judge_input: str, answer: str, prompt: str) -> str:
+    return hashlib.sha256(repr((judge_input, answer, prompt)).encode()).hexdigest()
 
 
 _GARBAGE = object()  # what a judge returns when chaos corrupts it (a bad return)
@@ -63,18 +63,19 @@ class JudgeServer:
         self.counts = {"calls": 0, "cache_hits": 0, "errors": 0}
 
     async def score(self, judge_input: str, answer: str, key: str,
-                    trace: dict[str, str] | None = None) -> Judgement:
+                    trace: dict[str, str] | None = None, *, prompt: str = "") -> Judgement:
         """The :class:`Judgement` of ``judge_input`` against ``answer``.  Never raises for
         the judge's failures.  ``key`` is the caller's idempotency key; ``trace`` its trace
-        context (the call is a ``judge.score`` span under it)."""
+        context (the call is a ``judge.score`` span under it); ``prompt`` the episode's
+        prompt.  The judge gets ``key`` and ``prompt`` in its ``context``."""
         with telemetry.span("judge.score", parent=trace, child_only=True, key=key) as span:
-            judgement = await self._score(judge_input, answer, key)
+            judgement = await self._score(judge_input, answer, key, prompt)
             span.set_attribute("erlay.ok", judgement.ok)
             return judgement
 
-    async def _score(self, judge_input: str, answer: str, key: str) -> Judgement:
+    async def _score(self, judge_input: str, answer: str, key: str, prompt: str) -> Judgement:
         self.counts["calls"] += 1
-        fingerprint = _fingerprint(judge_input, answer)
+        fingerprint = _fingerprint(judge_input, answer, prompt)
         cached = self._cache.get(key)
         if cached is not None and cached[0] == fingerprint:
             self._cache.move_to_end(key)
@@ -83,7 +84,7 @@ class JudgeServer:
         if cached is not None:
             log.warning("judge key %s reused for different inputs; judging again", key)
         failpoint("judge.score")   # a fault of the worker, not of the user's code
-        judgement = await self._judge(judge_input, answer, key)
+        judgement = await self._judge(judge_input, answer, key, prompt)
         if judgement.ok and self.cache_size:
             self._cache[key] = (fingerprint, judgement)
             self._cache.move_to_end(key)
@@ -91,9 +92,9 @@ class JudgeServer:
                 self._cache.popitem(last=False)
         return judgement
 
-    async def _judge(self, judge_input: str, answer: str, key: str) -> Judgement:
+    async def _judge(self, judge_input: str, answer: str, key: str, prompt: str) -> Judgement:
         try:
-            result = await self._user_code(judge_input, answer, key)
+            result = await self._user_code(judge_input, answer, key, prompt)
         except Exception as exc:
             self.counts["errors"] += 1
             log.warning("judge %s failed on %s: %s: %s", self.judge_path, key,
@@ -109,14 +110,15 @@ class JudgeServer:
         return Judgement.undecided(f"judge error: {self.judge_path}.score returned "
                                    f"{type(result).__name__}, not a Judgement", "bad_return")
 
-    async def _user_code(self, judge_input: str, answer: str, key: str) -> Any:
+    async def _user_code(self, judge_input: str, answer: str, key: str, prompt: str) -> Any:
         """The judge's own code, behind the ``judge.user_code`` failpoint."""
         if failpoint("judge.user_code"):
             return _GARBAGE
         score_async = getattr(self.judge, "score_async", None)
         if callable(score_async):
-            return await score_async(judge_input, answer, key=key)
-        return self.judge.score(judge_input, answer, key=key)  # type: ignore[union-attr]
+            return await score_async(judge_input, answer, key=key, prompt=prompt)
+        return self.judge.score(judge_input, answer, key=key,  # type: ignore[union-attr]
+                                prompt=prompt)
 
     def stats(self) -> dict[str, int]:
         """Counters since the process started: calls, cache hits, errors, cached."""

@@ -65,19 +65,20 @@ class JudgeClient:
         self.retried_deaths = 0
 
     async def score(self, key: str, judge_input: str, answer: str,
-                    trace: dict[str, str] | None = None) -> dict[str, Any]:
-        """A Judgement dict: decided, or ``ok=False`` with its reason and ``kind``."""
-        judgement = await self._judgement(key, judge_input, answer, trace)
+                    trace: dict[str, str] | None = None, *, prompt: str = "") -> dict[str, Any]:
+        """A Judgement dict: decided, or ``ok=False`` with its reason and ``kind``.
+        ``prompt`` (the episode's prompt) reaches the judge in its ``context``."""
+        judgement = await self._judgement(key, judge_input, answer, trace, prompt)
         self._account(judgement)
         if not judgement.ok:
             self.failures += 1
         return judgement.to_dict()
 
     async def _judgement(self, key: str, judge_input: str, answer: str,
-                         trace: dict[str, str] | None) -> Judgement:
+                         trace: dict[str, str] | None, prompt: str) -> Judgement:
         timeout_s = self.deadline()
-        call = WorkerCall("score", (judge_input, answer, key, trace), timeout_s=timeout_s,
-                          label=f"{self.judge_path}.score {key}")
+        call = WorkerCall("score", (judge_input, answer, key, trace), {"prompt": prompt},
+                          timeout_s=timeout_s, label=f"{self.judge_path}.score {key}")
         deaths: list[str] = []
         lost = 0
         while True:

@@ -601,7 +601,8 @@ class RolloutRunner:
         if judgement is None:
             with telemetry.span("judge", rollout_id=traj.rollout_id, key=key) as span:
                 judgement = await self.judge.score(key, result.judge_input or "",
-                                                   episode.answer, trace=telemetry.carrier())
+                                                   episode.answer, trace=telemetry.carrier(),
+                                                   prompt=episode.prompt)
                 self.sink.record(Transition(TransitionKind.JUDGED, traj.rollout_id,
                                             {"key": key, "judgement": judgement}))
                 span.set_attribute("erlay.ok", bool(judgement.get("ok", False)))
