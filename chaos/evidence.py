@@ -186,6 +186,7 @@ def observe_dir(path: Path | str, cfg: JobConfig | None = None) -> RunObservatio
     journal, journal_problem = _journal_evidence(run_dir.journal)
     consumed: list[tuple[str, int]] = []
     dispatched: set[str] = set()
+    filtered: set[str] = set()
     tools: list[tuple[str, str, object]] = []
     judged: list[tuple[str, object]] = []
     kinds: dict[str, int] = {}
@@ -195,6 +196,7 @@ def observe_dir(path: Path | str, cfg: JobConfig | None = None) -> RunObservatio
         consumed = [*state.consumed.items(),
                     *((rid, s) for rid, steps in state.consumed_again.items() for s in steps)]
         dispatched = set(state.consumed) | set(state.rollouts)
+        filtered = set(state.filtered)
         kinds, anomalies = dict(state.kinds), dict(state.anomalies)
         for t in journal.stream:
             if t.kind in (TransitionKind.TOOL_CALL, TransitionKind.TOOL_RESULT):
@@ -217,7 +219,7 @@ def observe_dir(path: Path | str, cfg: JobConfig | None = None) -> RunObservatio
     last = {int(m["step"]): m for m in metrics if m.get("phase") == "rl"}   # by step
     return RunObservation(
         events=events, metrics=metrics, consumed_transitions=consumed,
-        dispatched_ids=dispatched, tool_events=tools, judgements=judged,
+        dispatched_ids=dispatched, filtered_ids=filtered, tool_events=tools, judgements=judged,
         journal_found=journal is not None, journal_problem=journal_problem,
         journal_kinds=kinds, journal_anomalies=anomalies,
         notes=notes, judge_failed=sum(int(m.get("judge_failed", 0)) for m in last.values()),

@@ -69,6 +69,8 @@ class RunObservation:
       recorded, repeats included (a rewind consumes the same rollouts again): the
       journal's side of exactly-once, a multiset.
     - ``dispatched_ids``: the id of every rollout ever dispatched.
+    - ``filtered_ids``: the rollouts consumed with weight 0 because dynamic sampling
+      dropped their group (their CONSUMED transition says ``filtered``).
     - ``journal_kinds``: how many transitions of each kind were ever recorded, and
       ``journal_anomalies`` the journal fold's anomaly counts by reason (a tool call made
       after its result was journaled, two different results or judgements for one key).
@@ -102,6 +104,7 @@ class RunObservation:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     consumed_transitions: list[tuple[str, int]] = field(default_factory=list)
     dispatched_ids: set[str] = field(default_factory=set)
+    filtered_ids: set[str] = field(default_factory=set)
     tool_events: list[tuple[str, str, Any]] = field(default_factory=list)
     judgements: list[tuple[str, Any]] = field(default_factory=list)
     journal_found: bool = True

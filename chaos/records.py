@@ -88,7 +88,9 @@ def exactly_once(obs: RunObservation) -> Verdict:
     - consumed but no longer in the surviving timeline: a violation when the learner's
       latest incarnation began after that step (its checkpoint should hold it) or the run
       finished; otherwise a restore superseded it and the run ended before training it
-      again (a resume does): reported, not a violation.
+      again (a resume does): reported, not a violation;
+    - consumed with weight 0 because dynamic sampling dropped its group (``filtered``) yet
+      with a token in the learner's loss: a violation.  Filtered rollouts are counted apart.
     """
     name = "exactly_once"
     steps = _ledger(obs, name)
@@ -114,9 +116,14 @@ def exactly_once(obs: RunObservation) -> Verdict:
     for rid in sorted(set(journal) - set(fed)):
         step = rollout_step(rid) or 0
         (never if step < began or obs.status == "finished" else superseded).append(rid)
+    trained_filtered = sorted({rid for s in steps for rid, _ in s.trained}
+                              & obs.filtered_ids)
     problems = []
     if twice:
         problems.append(f"fed to the learner more than once: {few(twice)}")
+    if trained_filtered:
+        problems.append(f"dropped by dynamic sampling (weight 0) but trained on: "
+                        f"{few(trained_filtered)}")
     if misplaced:
         problems.append(f"fed by a step other than its id's: {few(sorted(misplaced))}")
     if over:
@@ -130,6 +137,9 @@ def exactly_once(obs: RunObservation) -> Verdict:
         return Verdict(name, False, "; ".join(problems))
     detail = (f"{sum(fed.values())} rollouts over {len(steps)} ledger steps, each fed once, "
               f"matching the journal ({sum(journal.values())} consumptions)")
+    if obs.filtered_ids:
+        detail += (f"; {len(obs.filtered_ids)} of them consumed with weight 0, their group "
+                   f"dropped by dynamic sampling")
     if lost:
         detail += (f"; {len(lost)} trained after the last checkpoint (step {kept}) and lost "
                    f"with the run, to be trained again on resume: {few(lost, 3)}")

@@ -39,6 +39,7 @@ import ray
 from erlay.actors.control import GoodputController
 from erlay.actors.job.control_wiring import build_controller
 from erlay.actors.job.domains import CHILD_GONE, EnginePool, SandboxClient, Weights
+from erlay.actors.job.dynamic_sampling import play_with_refills
 from erlay.actors.job.env_client import EnvironmentClient
 from erlay.actors.job.hostcalls import HostCalls
 from erlay.actors.job.judge_client import JudgeClient
@@ -142,6 +143,7 @@ class RolloutCoordinator:
         self.checkpoint_exposed_s: list[float] = []   # per save, seconds the learner blocked
         self.validator: Validator | None = None   # with data.validation_every, from setup
         self.control: GoodputController | None = None   # with control.enabled, from setup
+        self.fill_rounds: dict[int, int] = {}   # dynamic sampling's refill rounds, by step
 
     async def setup(self) -> None:
         """Start this incarnation's own loop thread and build the clients there."""
@@ -278,9 +280,7 @@ class RolloutCoordinator:
                 weights = await self._publish()
                 train_seconds = time.monotonic() - train_started
                 windows = {"gen_window": gen_window, "train_window": (train_began, time.time())}
-                for rid in batch.rollout_ids:
-                    self.sink.record(Transition(TransitionKind.CONSUMED, rid,
-                                                {"step": n, "version": weights.version}))
+                self._consume(trajectories, n, weights.version)
                 _consume_spans(trajectories, n, weights.version, time.time() - train_seconds)
                 # Report before checkpointing: a checkpoint may let the journal compact this
                 # step's rollouts, and a successor reports unreported steps from the journal.
@@ -362,14 +362,19 @@ class RolloutCoordinator:
         metrics have no gap and the journal no rollout left unconsumed."""
         for n in range(self.reported_upto + 1, learner_step):
             trajectories, _ = await self._generate_step(n)  # all journaled: nothing runs
-            for traj in trajectories:
-                self.sink.record(Transition(TransitionKind.CONSUMED, traj.rollout_id,
-                                            {"step": n, "version": self.base_version + n + 1}))
+            self._consume(trajectories, n, self.base_version + n + 1)
             _, counts = self._batch(n, trajectories)
             self._report_step(n, trajectories, counts, {"recovered": True,
                                                          "version": self.base_version + n + 1},
                               0.0, 0.0, 0.0, 0.0)
             self.reported_upto = n
+
+    def _consume(self, trajectories: list[Trajectory], n: int, version: int) -> None:
+        """Journal step ``n``'s rollouts as consumed at ``version``; a rollout of a group
+        dynamic sampling dropped is consumed with weight 0 and says so."""
+        for traj in trajectories:
+            self.sink.record(Transition(TransitionKind.CONSUMED, traj.rollout_id, {
+                "step": n, "version": version, **({"filtered": True} if traj.filtered else {})}))
 
     async def _rewind(self, n: int, learner_step: int) -> int:
         """The learner restored a checkpoint at ``learner_step`` < ``n``: serve its weights
@@ -418,20 +423,33 @@ class RolloutCoordinator:
 
     async def _generate_step(self, n: int) -> tuple[list[Trajectory], Window]:
         """All rollouts of step ``n``: ``prompts_per_step`` groups of ``group_size``, each
-        continued from what the journal holds of it (nothing, for a new one); and the wall
-        time window (``time.time()`` at start and end) the step's generation ran in."""
+        continued from what the journal holds of it (nothing, for a new one), plus, with
+        dynamic sampling, the refill groups (:mod:`~erlay.actors.job.dynamic_sampling`;
+        a dropped group's samples come back ``filtered``); and the wall time window
+        (``time.time()`` at start and end) the step's generation ran in."""
         started = time.time()
-        # Every group at once: their resets reach the environment hosts in one batch, and
-        # a group whose reset is slow holds up no other.
-        groups = await all_or_none(self._play_group(n, g)
-                                    for g in range(self.cfg.rollout.prompts_per_step))
-        return [traj for group in groups for traj in group], (started, time.time())
+        groups = self.cfg.rollout.prompts_per_step
+        if self.cfg.algorithm.dynamic_sampling:
+            filled = await play_with_refills(self._play_group, n, groups,
+                                             self.cfg.algorithm.max_fill_rounds,
+                                             self._journaled_groups(n))
+            for i in filled.dropped:
+                for traj in filled.groups[i]:
+                    traj.filtered = True
+            self.fill_rounds[n] = filled.rounds
+            played = filled.groups
+        else:
+            # Every group at once: their resets reach the environment hosts in one batch,
+            # and a group whose reset is slow holds up no other.
+            played = list(await all_or_none(self._play_group(n, g, n * groups + g)
+                                            for g in range(groups)))
+        return [traj for group in played for traj in group], (started, time.time())
 
-    async def _play_group(self, n: int, g: int) -> list[Trajectory]:
-        """Group ``g`` of step ``n``: its episode's reset, then its rollouts."""
+    async def _play_group(self, n: int, g: int, index: int) -> list[Trajectory]:
+        """Group ``g`` of step ``n``, playing episode ``index``: its reset, then its
+        rollouts."""
         assert self.runner is not None
         cfg = self.cfg.rollout
-        index = n * cfg.prompts_per_step + g
         episode: Any
         try:
             episode = await self.env.reset(index, self.cfg.run.seed)
@@ -442,6 +460,14 @@ class RolloutCoordinator:
             rid = RolloutId(n, g, k).format()
             plays.append(self.runner.play(rid, n, g, episode, index, self._history(rid)))
         return list(await all_or_none(plays))
+
+    def _journaled_groups(self, n: int) -> set[int]:
+        """The groups of step ``n`` the journal holds a rollout of."""
+        if self.journal is None or self.cfg.supervision.mode == "job_restart":
+            return set()
+        with self.journal.locked() as state:
+            ids = [RolloutId.parse(rid) for rid in (*state.rollouts, *state.consumed)]
+        return {i.group for i in ids if i is not None and i.step == n}
 
     def _history(self, rollout_id: str) -> RolloutHistory | None:
         if self.journal is None or self.cfg.supervision.mode == "job_restart":
@@ -470,7 +496,7 @@ class RolloutCoordinator:
         for traj in trajectories:
             fresh = staleness_ok([v for v in traj.versions if v >= 0] or [learner_version],
                                  learner_version, self.cfg.rollout.max_staleness)
-            mask = [m and fresh and traj.valid for m in traj.loss_mask]
+            mask = [m and fresh and traj.valid and not traj.filtered for m in traj.loss_mask]
             counts.add(traj, fresh, sum(mask))
             masks.append(mask)
         batch = TrainBatch(
@@ -620,6 +646,9 @@ class RolloutCoordinator:
             "failures": sum(t.failure is not None for t in trajectories),
             **counts.to_dict(),
             "tool_calls": sum(t.tool_calls for t in trajectories),
+            # Dynamic sampling: groups dropped with no signal, and the refill rounds run.
+            "filtered_groups": len({t.group for t in trajectories if t.filtered}),
+            "fill_rounds": self.fill_rounds.pop(n, 0),
             "resumed_turns": sum(t.resumed for t in trajectories),
             # The goodput controller's hedges so far (this coordinator incarnation), and the
             # tokens both copies of a hedged turn generated: what hedging cost.

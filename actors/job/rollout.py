@@ -70,6 +70,7 @@ class Trajectory:
     loss_mask: list[bool] = field(default_factory=list)
     reward: float = 0.0
     judged_ok: bool = True                                  # False: marked, not trained on
+    filtered: bool = False                                  # its group was dropped (DAPO)
     failure: str | None = None
     user_error: dict[str, str] | None = None                # the plug-in's typed failure
     judge_reason: str = ""

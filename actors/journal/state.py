@@ -116,6 +116,7 @@ class JournalState:
     rollouts: dict[str, RolloutRecord] = field(default_factory=dict)
     consumed: dict[str, int] = field(default_factory=dict)
     consumed_again: dict[str, list[int]] = field(default_factory=dict)
+    filtered: set[str] = field(default_factory=set)   # consumed with weight 0 (DAPO)
     kinds: dict[str, int] = field(default_factory=dict)
     anomalies: dict[str, int] = field(default_factory=dict)
     applied: int = 0
@@ -281,6 +282,8 @@ def _consume(state: JournalState, record: RolloutRecord | None, t: Transition) -
             _anomaly(state, t.kind, "already consumed by another step")
         return
     state.consumed[t.rollout_id] = step
+    if t.data.get("filtered") is True:   # dynamic sampling dropped its group
+        state.filtered.add(t.rollout_id)
     if record is None:
         _anomaly(state, t.kind, "unknown rollout")
         return
@@ -311,6 +314,7 @@ def state_to_dict(state: JournalState) -> dict[str, Any]:
         "applied": state.applied,
         "consumed": state.consumed,
         "consumed_again": state.consumed_again,
+        "filtered": sorted(state.filtered),
         "kinds": state.kinds,
         "complete": state.complete,
         "anomalies": state.anomalies,
@@ -344,6 +348,7 @@ def state_from_dict(data: dict[str, Any]) -> JournalState:
                         # Absent from snapshots written before they were kept.
                         consumed_again={str(k): [int(s) for s in v] for k, v in
                                         data.get("consumed_again", {}).items()},
+                        filtered={str(r) for r in data.get("filtered", [])},
                         kinds={str(k): int(v) for k, v in data.get("kinds", {}).items()},
                         anomalies={str(k): int(v) for k, v in data["anomalies"].items()},
                         applied=int(data["applied"]),

@@ -340,8 +340,8 @@ def _overview(data: RunData, a: Analysis) -> list[str]:
             f"Goodput is {goodput.DEFINITION}: here the trained tokens of the RL steps (a step "
             "fed again after a rewind counted once) over the RL wall time. Samples not trained "
             "are counted under the first reason that kept them out: user code failed "
-            "(`user_errors`), the judge failed (`judge_failed`), or too stale "
-            "(`masked_stale`)."]
+            "(`user_errors`), the judge failed (`judge_failed`), too stale "
+            "(`masked_stale`), or its group was dropped by dynamic sampling (`filtered`)."]
 
 
 def _table(rows: list[AttributionRow], a: Analysis, by_cause: bool) -> list[str]:

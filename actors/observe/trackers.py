@@ -52,6 +52,7 @@ RL_SCALARS = {
     "staleness_max": "staleness/max", "restarts": "restarts/total",
     "lost_s": "time_lost_s/step", "judge_failed": "failures/judge",
     "user_errors": "failures/user_code", "masked_stale": "samples/masked_stale",
+    "filtered": "samples/filtered", "filtered_groups": "samples/filtered_groups",
     "sandbox_calls": "sandbox/calls", "step_s": "time/step_s",
 }
 """An RL record's field -> its scalar's name."""

@@ -224,3 +224,17 @@ def test_a_ledger_written_before_with_a_dict_still_reads() -> None:
     assert step.trained == (("r00000-g000-0", 1),)
     with pytest.raises(TypeError):
         effective_steps([{"step": 0, "version": 2, "trained": "r00000-g000-0"}])
+
+
+def test_a_rollout_dropped_by_dynamic_sampling_must_not_be_trained() -> None:
+    # Step 1's group was dropped (all rewards equal): fed with every token masked, and its
+    # consumption says filtered.  Counted apart when it holds ...
+    dropped = rids(1)
+    masked_step = {"step": 1, "version": 1, "trained": {}, "masked": dropped}
+    ok = run([start(), trained(0), masked_step, trained(2)], filtered_ids=set(dropped))
+    verdict = exactly_once(ok)
+    assert verdict.ok is True and "2 of them consumed with weight 0" in verdict.detail
+    # ... and a violation when the learner trained on it anyway (a mask lost on the way).
+    planted = run(CLEAN, filtered_ids=set(dropped))
+    verdict = exactly_once(planted)
+    assert verdict.ok is False and "dropped by dynamic sampling" in verdict.detail
