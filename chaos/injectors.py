@@ -42,6 +42,7 @@ FAILPOINT_HOMES = {
     "judge.score": "erlay/judge/host@*",
     "judge.verdict": "erlay/judge/host@*",
     "judge.user_code": "erlay/judge/host@*",
+    "judge.llm_generate": "erlay/judge/host@*",
     "environment.call": "erlay/environment/host@*",
     "learner.train_step": "erlay/learner/learner-*",
     "learner.checkpoint": "erlay/learner/learner-0",

@@ -81,6 +81,8 @@ KNOWN = ("generation.decode_step", "generation.weight_update", "sandbox.exec", "
          # Faults of user code, fired where erlay calls it, inside its guard: raise is the
          # user's exception, hang the user's hang, corrupt a bad return.
          "environment.call", "judge.user_code",
+         # The LLM judge's engine, after each token it decodes (judges/llm.py).
+         "judge.llm_generate",
          # The tool code itself hangs (corrupt: the sandbox runs a sleep in its place, until
          # the run's wall deadline); a prompt whose completion runs long (keyed by the
          # rollout's seed: the engine ignores its stop tokens to the end of its budget).
