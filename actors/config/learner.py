@@ -57,9 +57,11 @@ class LearnerSection(Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient-norm clip")
     mtp_loss_weight: float = Field(0.0, ge=0, description="weight of the MTP heads' "
                                    "cross-entropy beside the RL loss (trains the heads only)")
-    clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip")
+    clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip (dapo and gspo use "
+                            "their own algorithm.*.clip_low/clip_high)")
     is_cap: float = Field(2.0, ge=1.0, description="truncated importance-weight cap")
-    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0 = off)")
+    kl_coef: float = Field(0.0, ge=0, description="KL-to-reference coefficient (0 = off); "
+                           "reinforce_pp folds it into the reward, the others add a loss term")
     minibatches: int = Field(1, ge=1, description="optimizer steps per RL step, each on a "
                              "contiguous slice of the batch")
     torch_threads: int = Field(1, ge=1, description="torch threads of each learner process")

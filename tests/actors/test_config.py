@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,27 @@ def test_a_learner_call_deadline_shorter_than_the_checkpoint_writers_is_refused(
                                           r"than checkpoint\.deadline_s \(300\)"):
         load_config(None, ["learner.call_timeout_s=200"])
     assert load_config(None, ["learner.call_timeout_s=200", "checkpoint.deadline_s=100"])
+
+
+def test_the_algorithm_section_picks_an_objective_with_its_own_knobs() -> None:
+    from erlay.actors.config.algorithm import objective
+    cfg = load_config(None, ["algorithm.name=dapo", "algorithm.dapo.clip_high=0.3",
+                             "engine.max_new_tokens=10"])
+    got = objective(cfg.algorithm, cfg.engine.max_new_tokens)
+    assert (got.name, got.clip_low, got.clip_high) == ("dapo", 0.2, 0.3)
+    assert (got.overlong_max, got.overlong_buffer) == (10, 2) and cfg.algorithm.dynamic_sampling
+    dr = load_config(None, ["algorithm.name=dr_grpo", "engine.max_new_tokens=7"])
+    assert objective(dr.algorithm, 7).max_tokens == 7
+    assert not load_config(None, ["algorithm.name=gspo"]).algorithm.dynamic_sampling
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.name=ppo"], "algorithm.name"),
+    (["algorithm.gspo.clip_low=0.1"], "algorithm.gspo is set but algorithm.name is 'grpo'"),
+    (["algorithm.name=dapo", "algorithm.dapo.clip_low=1.5"], "algorithm.dapo.clip_low"),
+    (["algorithm.name=rloo", "learner.backend=megatron", "learner.device=cuda"],
+     "not wired into learner.backend megatron"),
+])
+def test_a_bad_algorithm_section_is_one_clear_error(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
