@@ -117,6 +117,7 @@ class _Sample:
     def __init__(self, judged_ok: bool = True) -> None:
         self.judged_ok, self.user_error, self.judge_kind, self.poison = (
             judged_ok, None, "unavailable", 0)   # not the judge's own cause
+        self.filtered = False
 
 
 def _tokens(step: int, k: int, bug: str | None) -> list[int]:

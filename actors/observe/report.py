@@ -255,7 +255,8 @@ def _goodput_rows(data: RunData, a: Analysis) -> list[tuple[str, str]]:
     else:
         rate = "— (no RL wall time)"
     lost = goodput.not_trained(data.rl)
-    kinds = ", ".join(f"{kind} {n}" for kind, n in lost.items())
+    # filtered exists only under dynamic sampling: not shown at 0.
+    kinds = ", ".join(f"{kind} {n}" for kind, n in lost.items() if n or kind != "filtered")
     by_step = {int(m["step"]): m for m in data.rl if is_num(m.get("step"))}
     own = sum(int(m.get("judge_own") or 0) for m in by_step.values())
     poison = sum(int(m.get("poison") or 0) for m in by_step.values())

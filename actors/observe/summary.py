@@ -73,7 +73,9 @@ def write_summary(run_dir: RunDir, status: str, wall_s: float, detail: str = "",
               f"- generated tokens: {tokens}" + _rate(tokens, timing.rl_s, " tokens/s"),
               f"- trained tokens: {trained_tokens(steps)} (each RL step once)",
               f"- samples not trained: {sum(dropped.values())} ("
-              + ", ".join(f"{kind} {n}" for kind, n in dropped.items()) + ")",
+              # filtered exists only under dynamic sampling: not shown at 0.
+              + ", ".join(f"{kind} {n}" for kind, n in dropped.items()
+                          if n or kind != "filtered") + ")",
               f"- poison inputs: {_last_per_step(steps, 'poison')} (calls that killed "
               "their worker twice, not tried again)",
               f"- sandbox calls: {_sandbox_calls(records)}",

@@ -23,6 +23,7 @@ class FakeSample:
     user_error: dict[str, str] | None = None
     judge_kind: str = ""
     poison: int = 0
+    filtered: bool = False
 
 
 USER_ERROR = {"plugin": "p:Env", "method": "step", "kind": "exception"}
@@ -40,10 +41,11 @@ def test_counts_hold_the_identity_over_a_mixed_step() -> None:
     counts.add(FakeSample(judged_ok=False), fresh=True, trained_tokens=0)
     counts.add(FakeSample(), fresh=False, trained_tokens=0)
     counts.add(FakeSample(), fresh=False, trained_tokens=0)
+    counts.add(FakeSample(filtered=True), fresh=True, trained_tokens=0)
     record = counts.to_dict()
-    assert record == {"samples": 6, "trained_samples": 2, "trained_tokens": 12,
-                      "user_errors": 1, "judge_failed": 1, "masked_stale": 2,
-                      "judge_own": 0, "poison": 0, "dropped": 4}
+    assert record == {"samples": 7, "trained_samples": 2, "trained_tokens": 12,
+                      "user_errors": 1, "judge_failed": 1, "masked_stale": 2, "filtered": 1,
+                      "judge_own": 0, "poison": 0, "dropped": 5}
     assert record["samples"] == record["trained_samples"] + record["dropped"]
     assert record["dropped"] == sum(record[k] for k in NOT_TRAINED)
 
@@ -55,8 +57,13 @@ def test_a_sample_is_counted_under_its_first_reason_only() -> None:
                trained_tokens=0)
     # the judge failed and it is stale: the judge comes before staleness
     counts.add(FakeSample(judged_ok=False), fresh=False, trained_tokens=0)
-    assert (counts.user_errors, counts.judge_failed, counts.masked_stale) == (1, 1, 0)
-    assert counts.dropped == 2 and counts.trained_samples == 0
+    # stale, and its group dropped by dynamic sampling: staleness comes first
+    counts.add(FakeSample(filtered=True), fresh=False, trained_tokens=0)
+    assert (counts.user_errors, counts.judge_failed, counts.masked_stale,
+            counts.filtered) == (1, 1, 1, 0)
+    assert counts.dropped == 3 and counts.trained_samples == 0
+    with pytest.raises(ValueError, match="not trained has tokens in the loss"):
+        counts.add(FakeSample(filtered=True), fresh=True, trained_tokens=2)
 
 
 def test_judge_failures_of_the_judges_own_cause_and_poison_inputs_are_counted_apart() -> None:
@@ -95,14 +102,17 @@ def test_not_trained_counts_a_refed_step_once() -> None:
     records = [rl(0, user_errors=1, judge_failed=2, masked_stale=0),
                rl(0, user_errors=1, judge_failed=2, masked_stale=3),
                rl(1, user_errors=0, judge_failed=0, masked_stale=1)]
-    assert not_trained(records) == {"user_errors": 1, "judge_failed": 2, "masked_stale": 4}
+    assert not_trained(records) == {"user_errors": 1, "judge_failed": 2, "masked_stale": 4,
+                                    "filtered": 0}
 
 
 def test_an_old_record_reads_judge_marked_and_the_stale_from_dropped() -> None:
     old = rl(0, judge_marked=2, user_errors=1, dropped=6)
-    assert not_trained([old]) == {"user_errors": 1, "judge_failed": 2, "masked_stale": 3}
+    assert not_trained([old]) == {"user_errors": 1, "judge_failed": 2, "masked_stale": 3,
+                                  "filtered": 0}
     older = rl(1, judge_marked=0, dropped=0)  # before user code was a domain
-    assert not_trained([older]) == {"user_errors": 0, "judge_failed": 0, "masked_stale": 0}
+    assert not_trained([older]) == {"user_errors": 0, "judge_failed": 0, "masked_stale": 0,
+                                    "filtered": 0}
 
 
 def test_goodput_is_tokens_per_second_and_0_for_an_empty_interval() -> None:
