@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from erlay.actors.job.judge_client import JudgeClient
 from erlay.actors.job.plugins import PluginFailing, RateRule, UserCodeFailed, UserError
 from erlay.actors.job.rollout import RolloutHistory, RolloutRunner, SamplingParams, Trajectory
 from erlay.actors.job.seam import CoordinatorContext
+from erlay.actors.job.step_record import StepTimes, step_record
 from erlay.actors.job.structured import all_or_none, cancel_all
 from erlay.actors.job.validation import Validator
 from erlay.actors.journal.rollout_id import RolloutId
@@ -87,21 +87,6 @@ def demonstration_tokens(pairs: list[tuple[str, str]],
             ids = ids + tok.encode(prev_target, eos=True) + tok.encode(observation)
         out.append((ids, tok.encode(target, eos=True)))
     return out
-
-
-def _length_tail(lengths: list[int]) -> dict[str, Any]:
-    from erlay.actors.engine.tail import percentile
-    return {"gen_len_p50": percentile(lengths, 0.5), "gen_len_p90": percentile(lengths, 0.9),
-            "gen_len_max": max(lengths, default=None)}
-
-
-def tokens_digest(trajectories: list[Trajectory]) -> str:
-    """A short digest of every completion of a step, by rollout id: two runs that generated
-    the same tokens (the replay invariant) have the same digests."""
-    h = hashlib.blake2b(digest_size=8)
-    for traj in sorted(trajectories, key=lambda t: t.rollout_id):
-        h.update(f"{traj.rollout_id}:{','.join(map(str, traj.completion_ids))};".encode())
-    return h.hexdigest()
 
 
 def _consume_spans(trajectories: list[Trajectory], step: int, version: int,
@@ -629,46 +614,11 @@ class RolloutCoordinator:
                      metrics: dict[str, Any], gen_seconds: float, gen_wait: float,
                      train_seconds: float, step_seconds: float) -> None:
         assert self.sandbox is not None and self.judge is not None
-        # The reward of the samples that were judged: a judge or user-code failure is
-        # counted apart, never as a reward of 0.
-        valid = [t for t in trajectories if t.valid]
-        rewards = [t.reward for t in valid]
-        tokens = sum(t.generated_tokens for t in trajectories)
-        # Over every sample, trained or masked: a stale sample is counted here as what it
-        # was.  Whether a stale one was trained is the learner ledger's to say.
-        versions = [t.min_version for t in trajectories if t.min_version >= 0]
-        learner_version = self.base_version + n
-        self.report({
-            "phase": "rl", "step": n, "version": metrics.get("version"),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None,
-            "samples": len(trajectories), "valid_samples": len(valid), "gen_tokens": tokens,
-            "failures": sum(t.failure is not None for t in trajectories),
-            **counts.to_dict(),
-            "tool_calls": sum(t.tool_calls for t in trajectories),
-            # Dynamic sampling: groups dropped with no signal, and the refill rounds run.
-            "filtered_groups": len({t.group for t in trajectories if t.filtered}),
-            "fill_rounds": self.fill_rounds.pop(n, 0),
-            "resumed_turns": sum(t.resumed for t in trajectories),
-            # The goodput controller's hedges so far (this coordinator incarnation), and the
-            # tokens both copies of a hedged turn generated: what hedging cost.
-            "hedges": self.runner.hedges if self.runner else 0,
-            "hedge_tokens_twice": self.runner.hedge_tokens_twice if self.runner else 0,
-            "staleness_max": max((learner_version - v for v in versions), default=0),
-            "sandbox_calls": self.sandbox.calls,
-            "gen_s": round(gen_seconds, 4), "gen_wait_s": round(gen_wait, 4),
-            "train_s": round(train_seconds, 4), "step_s": round(step_seconds, 4),
-            "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
-            "kl": metrics.get("kl"), "clip_fraction": metrics.get("clip_fraction"),
-            "tokens_digest": tokens_digest(trajectories),
-            "recovered": bool(metrics.get("recovered", False)),
-            # The step's generation-length tail: what its slowest rollouts cost (issue of
-            # speculative decoding; the engines' tail_report has the concurrency side).
-            **_length_tail([t.generated_tokens for t in trajectories]),
-            **{k: v for k, v in metrics.items()
-               if k.startswith(("mtp_", "engine_tail_", "engine_decode", "engine_kv"))},
-            # Resumed calls by how their KV cache came back (cumulative, this coordinator).
-            "kv_handoff": dict(self.runner.kv_handoffs) if self.runner else {},
-            **{k: [round(t, 3) for t in metrics[k]] for k in ("gen_window", "train_window")
-               if k in metrics},
-        })
+        self.report(step_record(
+            n, trajectories, counts, metrics, StepTimes(gen_seconds, gen_wait, train_seconds,
+                                                        step_seconds),
+            learner_version=self.base_version + n, fill_rounds=self.fill_rounds.pop(n, 0),
+            sandbox_calls=self.sandbox.calls,
+            hedges=(self.runner.hedges, self.runner.hedge_tokens_twice) if self.runner
+            else (0, 0),
+            kv_handoffs=dict(self.runner.kv_handoffs) if self.runner else {}))
