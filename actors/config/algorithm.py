@@ -48,6 +48,10 @@ class DapoSection(Section):
     max_fill_rounds: int = Field(3, ge=0, le=20, description="refill rounds per step at "
                                  "most; a step still short after them trains on the groups "
                                  "it has")
+    fill_budget: float = Field(1.0, ge=0, le=64, description="refill groups per step at "
+                               "most, as a multiple of rollout.prompts_per_step (1.0: a step "
+                               "plays at most twice its own groups): what dynamic sampling "
+                               "may add to a step's generation")
 
 
 class GspoSection(Section):
@@ -84,6 +88,10 @@ class AlgorithmSection(Section):
     @property
     def max_fill_rounds(self) -> int:
         return self.dapo.max_fill_rounds if self.dynamic_sampling else 0
+
+    def max_fill_groups(self, prompts_per_step: int) -> int:
+        """The refill groups a step may play at most."""
+        return int(self.dapo.fill_budget * prompts_per_step) if self.dynamic_sampling else 0
 
 
 def objective(section: AlgorithmSection, max_new_tokens: int) -> Objective:

@@ -415,8 +415,10 @@ class RolloutCoordinator:
         started = time.time()
         groups = self.cfg.rollout.prompts_per_step
         if self.cfg.algorithm.dynamic_sampling:
+            algorithm = self.cfg.algorithm
             filled = await play_with_refills(self._play_group, n, groups,
-                                             self.cfg.algorithm.max_fill_rounds,
+                                             algorithm.max_fill_rounds,
+                                             algorithm.max_fill_groups(groups),
                                              self._journaled_groups(n))
             for i in filled.dropped:
                 for traj in filled.groups[i]:

@@ -1,8 +1,11 @@
 """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): a step trains only on groups with a
 learning signal.  A group whose valid rewards are all equal (every answer right, or every
 one wrong) has zero advantage under any group baseline; it is dropped, and the step is
-refilled with new groups until it has ``prompts_per_step`` informative ones or
-``max_fill_rounds`` rounds have run.
+refilled with new groups until it has ``prompts_per_step`` informative ones, or
+``max_fill_rounds`` rounds have run, or the step has played its refill budget
+(``fill_budget x prompts_per_step`` groups beyond its own).  The budget bounds what a step
+may cost: on an easy task most groups are all right, and refilling until full would
+multiply generation.
 
 Contracts:
 
@@ -69,15 +72,19 @@ class FilledStep:
 
 
 async def play_with_refills(play: PlayGroup, step: int, groups: int, max_rounds: int,
+                            max_fill: int | None = None,
                             journaled: Collection[int] = ()) -> FilledStep:
     """Play step ``step``'s ``groups`` regular groups, then refill rounds while fewer than
-    ``groups`` are informative and rounds remain; then any group in ``journaled`` (group
-    indices the journal already holds for this step) not played yet.  Marks every group
-    that is not informative as dropped, then returns (:class:`FilledStep`)."""
+    ``groups`` are informative, rounds remain and fewer than ``max_fill`` refill groups
+    have been played (None: no bound); then any group in ``journaled`` (group indices the
+    journal already holds for this step) not played yet.  Marks every group that is not
+    informative as dropped, then returns (:class:`FilledStep`)."""
     played = list(await all_or_none(play(step, g, step * groups + g) for g in range(groups)))
+    budget = FILL_STRIDE if max_fill is None else min(max_fill, FILL_STRIDE)
     rounds = 0
     while rounds < max_rounds:
-        missing = groups - sum(informative(g) for g in played)
+        missing = min(groups - sum(informative(g) for g in played),
+                      budget - (len(played) - groups))
         if missing <= 0:
             break
         start = len(played)

@@ -72,6 +72,17 @@ def test_a_step_still_short_after_its_rounds_trains_on_what_it_has() -> None:
     assert len(filled.groups) == 3 + 2 + 2 and len(filled.dropped) == 6
 
 
+def test_the_refill_budget_bounds_what_a_step_plays() -> None:
+    # Four regular groups, none informative; a budget of 3 refill groups over any rounds.
+    script = Script({})
+    filled = asyncio.run(play_with_refills(script, 0, 4, max_rounds=5, max_fill=3))
+    assert len(filled.groups) == 4 + 3 and filled.rounds == 1
+    # Round 1 takes what is left of the budget, then the step stops short.
+    script = Script({0: [1, 0], 1: [1, 0]})
+    filled = asyncio.run(play_with_refills(script, 0, 4, max_rounds=5, max_fill=3))
+    assert len(filled.groups) == 4 + 2 + 1 and filled.rounds == 2
+
+
 def test_no_rounds_means_no_refill() -> None:
     filled = asyncio.run(play_with_refills(Script({}), 0, 2, max_rounds=0))
     assert len(filled.groups) == 2 and filled.dropped == {0, 1} and filled.rounds == 0
@@ -81,7 +92,8 @@ def test_a_successor_feeds_every_group_its_predecessor_dispatched() -> None:
     # The predecessor got as far as group 5; this incarnation, all informative, would stop
     # at 3.  Groups 3..5 are in the journal, so they are played (from it) and fed.
     script = Script({g: [1, 0] for g in range(6)})
-    filled = asyncio.run(play_with_refills(script, 0, 3, max_rounds=3, journaled={0, 1, 4, 5}))
+    filled = asyncio.run(play_with_refills(script, 0, 3, max_rounds=3,
+                                           journaled={0, 1, 4, 5}))
     assert [g for g, _ in script.played] == [0, 1, 2, 3, 4, 5]
     assert len(filled.groups) == 6 and not filled.dropped
 
