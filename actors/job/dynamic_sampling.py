@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): a step trains only on groups with a
 learning signal.  A group whose valid rewards are all equal (every answer right, or every
 one wrong) has zero advantage under any group baseline; it is dropped, and the step is
-refilled with new groups until it has ``prompts_per_step`` informative ones, or
+refilled with new groups (rounds sized by :func:`refill_size`) until it has
+``prompts_per_step`` informative ones, or
 ``max_fill_rounds`` rounds have run, or the step has played its refill budget
 (``fill_budget x prompts_per_step`` groups beyond its own).  The budget bounds what a step
 may cost: on an easy task most groups are all right, and refilling until full would
@@ -29,6 +30,7 @@ May import: erlay.actors.job.rollout, erlay.actors.job.structured.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +59,20 @@ def fill_episode(step: int, j: int) -> int:
     return FILL_BASE + step * FILL_STRIDE + j
 
 
+def refill_size(groups: int, informative_now: int, played: int, budget_left: int) -> int:
+    """How many groups the next refill round plays: enough to fill the step at the share
+    of informative groups seen so far in it (all that is left of the budget when none was
+    informative), never more than ``budget_left``; 0 when the step is full.  One round sized
+    to the expected need, rather than several of the bare shortfall, lets the engines batch
+    the refill and spares the latency of the rounds it saves."""
+    missing = groups - informative_now
+    if missing <= 0 or budget_left <= 0:
+        return 0
+    if informative_now == 0:
+        return budget_left
+    return min(budget_left, math.ceil(missing * played / informative_now))
+
+
 @dataclass(frozen=True)
 class FilledStep:
     """A step's groups after dynamic sampling: every group played (regular, then refills,
@@ -83,14 +99,14 @@ async def play_with_refills(play: PlayGroup, step: int, groups: int, max_rounds:
     budget = FILL_STRIDE if max_fill is None else min(max_fill, FILL_STRIDE)
     rounds = 0
     while rounds < max_rounds:
-        missing = min(groups - sum(informative(g) for g in played),
-                      budget - (len(played) - groups))
-        if missing <= 0:
+        want = refill_size(groups, sum(informative(g) for g in played), len(played),
+                           budget - (len(played) - groups))
+        if want <= 0:
             break
         start = len(played)
         played += list(await all_or_none(
             play(step, start + j, fill_episode(step, start - groups + j))
-            for j in range(missing)))
+            for j in range(want)))
         rounds += 1
     # Groups a predecessor dispatched past where this incarnation stopped: fed all the same.
     last = max((g for g in journaled if g >= len(played)), default=len(played) - 1)

@@ -13,6 +13,7 @@ from erlay.actors.job.dynamic_sampling import (
     fill_episode,
     informative,
     play_with_refills,
+    refill_size,
 )
 from erlay.actors.job.rollout import Trajectory
 from erlay.actors.journal.rollout_id import RolloutId
@@ -52,24 +53,32 @@ def test_a_group_is_informative_only_when_its_valid_rewards_differ() -> None:
 
 
 def test_dropped_groups_are_refilled_with_new_episodes_until_the_step_is_full() -> None:
-    # Groups 0..3: two informative.  Round 1 plays groups 4, 5 (one informative), round 2
-    # plays group 6 (informative): four, done.
+    # Groups 0..3: two informative, so half are.  Short by two, round 1 plays four more
+    # (groups 4..7); two of them are informative: four, done.
     script = Script({0: [1, 0], 1: [1, 1], 2: [0, 1], 3: [0, 0], 4: [1, 1], 5: [1, 0],
                      6: [0, 1]})
     filled = asyncio.run(play_with_refills(script, 7, 4, max_rounds=5))
-    assert [g for g, _ in script.played] == [0, 1, 2, 3, 4, 5, 6]
-    assert filled.rounds == 2 and filled.informative == 4
-    assert filled.dropped == {1, 3, 4}
+    assert [g for g, _ in script.played] == list(range(8))
+    assert filled.rounds == 1 and filled.informative == 4
+    assert filled.dropped == {1, 3, 4, 7}
     episodes = dict(script.played)
     assert [episodes[g] for g in range(4)] == [28, 29, 30, 31]   # step 7's regular ones
-    assert [episodes[g] for g in (4, 5, 6)] == [fill_episode(7, j) for j in range(3)]
+    assert [episodes[g] for g in range(4, 8)] == [fill_episode(7, j) for j in range(4)]
+
+
+def test_a_round_is_sized_to_what_the_step_still_needs() -> None:
+    assert refill_size(32, 8, 32, 100) == 96     # a quarter informative: 24 / 0.25
+    assert refill_size(32, 8, 32, 40) == 40      # ... within the budget
+    assert refill_size(32, 0, 32, 40) == 40      # none yet: all the budget
+    assert refill_size(32, 32, 40, 40) == 0      # full
+    assert refill_size(32, 3, 32, 0) == 0        # no budget left
 
 
 def test_a_step_still_short_after_its_rounds_trains_on_what_it_has() -> None:
     script = Script({0: [1, 0]})        # everything else all-zero
-    filled = asyncio.run(play_with_refills(script, 0, 3, max_rounds=2))
+    filled = asyncio.run(play_with_refills(script, 0, 3, max_rounds=2, max_fill=10))
     assert filled.rounds == 2 and filled.informative == 1
-    assert len(filled.groups) == 3 + 2 + 2 and len(filled.dropped) == 6
+    assert len(filled.groups) == 3 + 6 + 4 and len(filled.dropped) == 12
 
 
 def test_the_refill_budget_bounds_what_a_step_plays() -> None:
@@ -77,10 +86,10 @@ def test_the_refill_budget_bounds_what_a_step_plays() -> None:
     script = Script({})
     filled = asyncio.run(play_with_refills(script, 0, 4, max_rounds=5, max_fill=3))
     assert len(filled.groups) == 4 + 3 and filled.rounds == 1
-    # Round 1 takes what is left of the budget, then the step stops short.
+    # Half informative, short by two: round 1 would play four, the budget allows three.
     script = Script({0: [1, 0], 1: [1, 0]})
     filled = asyncio.run(play_with_refills(script, 0, 4, max_rounds=5, max_fill=3))
-    assert len(filled.groups) == 4 + 2 + 1 and filled.rounds == 2
+    assert len(filled.groups) == 4 + 3 and filled.rounds == 1
 
 
 def test_no_rounds_means_no_refill() -> None:
