@@ -48,10 +48,10 @@ class DapoSection(Section):
     max_fill_rounds: int = Field(3, ge=0, le=20, description="refill rounds per step at "
                                  "most; a step still short after them trains on the groups "
                                  "it has")
-    fill_budget: float = Field(1.0, ge=0, le=64, description="refill groups per step at "
-                               "most, as a multiple of rollout.prompts_per_step (1.0: a step "
-                               "plays at most twice its own groups): what dynamic sampling "
-                               "may add to a step's generation")
+    fill_budget: float = Field(0.5, ge=0, le=64, description="refill groups per step at "
+                               "most, as a multiple of rollout.prompts_per_step (0.5: a step "
+                               "plays at most 1.5 times its own groups): what dynamic "
+                               "sampling may add to a step's generation")
 
 
 class GspoSection(Section):
