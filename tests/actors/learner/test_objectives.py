@@ -29,7 +29,6 @@ from erlay.actors.learner.objectives import (
     token_returns,
     whiten,
 )
-
 from tests.actors.learner.test_core import arithmetic_batch, learner
 
 
