@@ -121,7 +121,8 @@ def test_goodput_ratios_against_baselines() -> None:
     # 4 steps x 40 trained tokens over the run's 8 s (no step windows in these records)
     assert good["samples"] == 32 and good["tokens_per_s"] == pytest.approx(20.0)
     assert good["trained_tokens"] == 160
-    assert good["not_trained"] == {"user_errors": 0, "judge_failed": 0, "masked_stale": 0}
+    assert good["not_trained"] == {"user_errors": 0, "judge_failed": 0, "masked_stale": 0,
+                                   "filtered": 0}
     assert good["goodput_vs_fault_free"] == pytest.approx(4.0)
     assert good["goodput_vs_job_restart"] == pytest.approx(10.0)
     assert good["goodput_vs_broken"] is None
