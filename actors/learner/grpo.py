@@ -98,19 +98,24 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def grpo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behaviour_logp: torch.Tensor,
               advantages: torch.Tensor, mask: torch.Tensor, *, clip_eps: float = 0.2,
-              is_cap: float = 2.0, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None
+              is_cap: float = 2.0, kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
+              clip_high: float | None = None, per_completion: int = 0
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss (a scalar to minimise) and its statistics.
 
     Per valid token: ``ratio = exp(logp - prox_logp)``, ``w = min(exp(prox - behaviour),
-    is_cap)`` and ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A) * w``, plus
-    ``kl_coef * k3(logp, ref_logp)`` when ``ref_logp`` is given and ``kl_coef > 0``.  The loss
-    is the token mean over the whole batch: the sum over masked-in tokens divided by their
-    number, so long completions weigh more than short ones (no per-sequence averaging).  An
-    empty mask gives a zero loss that still backpropagates (to zero gradients).
+    is_cap)`` and ``-min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_high) * A) * w``
+    (``clip_high`` None: ``clip_eps``), plus ``kl_coef * k3(logp, ref_logp)`` when
+    ``ref_logp`` is given and ``kl_coef > 0``.  The loss is the token mean over the whole
+    batch: the sum over masked-in tokens divided by their number, so long completions weigh
+    more than short ones (no per-sequence averaging); or with ``per_completion = C > 0``
+    each completion's token sum over ``C``, averaged over the completions with a masked-in
+    token (Dr. GRPO's length-unbiased form).  An empty mask gives a zero loss that still
+    backpropagates (to zero gradients).
 
     Shapes: ``logp``, ``prox_logp``, ``behaviour_logp``, ``ref_logp`` and ``mask`` are
-    ``[B, L]``; ``advantages`` is ``[B]``.  Only ``logp`` carries gradient.
+    ``[B, L]``; ``advantages`` is ``[B]`` (per completion) or ``[B, L]`` (per token).  Only
+    ``logp`` carries gradient.
 
     Statistics, all over valid tokens: ``loss``; ``clip_fraction`` (the clipped branch is
     the smaller one, so the token gives no gradient); ``is_weight_mean``;
@@ -118,12 +123,7 @@ def grpo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behaviour_logp: torch
     the reference, 0 without one); ``ratio_mean``; ``approx_kl`` (mean k3 of current against
     proximal: how far this step has moved); ``tokens``.
     """
-    if logp.shape != mask.shape or prox_logp.shape != mask.shape \
-            or behaviour_logp.shape != mask.shape:
-        raise ValueError("logp, prox_logp, behaviour_logp and mask must share one [B, L] shape")
-    if advantages.shape != mask.shape[:1]:
-        raise ValueError(f"advantages must be [B] = [{mask.shape[0]}], "
-                         f"got {tuple(advantages.shape)}")
+    check_shapes(logp, prox_logp, behaviour_logp, advantages, mask)
     mask = mask.bool()
     zero = torch.zeros((), dtype=logp.dtype)
     # Padding may hold anything; zero the log-ratios there so no inf/NaN enters exp() and
@@ -132,9 +132,11 @@ def grpo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behaviour_logp: torch
     ratio = torch.exp(log_ratio)
     raw_w = torch.exp(torch.where(mask, prox_logp.detach() - behaviour_logp.detach(), zero))
     w = raw_w.clamp(max=is_cap)
-    adv = advantages.detach().to(logp.dtype)[:, None]
+    adv = advantages.detach().to(logp.dtype)
+    adv = adv if adv.dim() == 2 else adv[:, None]
+    high = clip_eps if clip_high is None else clip_high
     unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv
     per_token = -torch.minimum(unclipped, clipped) * w
     kl_tok = None
     if ref_logp is not None:
@@ -144,23 +146,42 @@ def grpo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behaviour_logp: torch
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl_tok
     n = int(mask.sum())
+    summed = torch.where(mask, per_token, zero).sum()
+    if per_completion:
+        loss = summed / (per_completion * max(int(mask.any(dim=1).sum()), 1))
+    else:
+        loss = summed / max(n, 1)
+    return loss, loss_stats(loss, mask, clipped < unclipped, w, raw_w >= is_cap, kl_tok,
+                            ratio, log_ratio)
+
+
+def check_shapes(logp: torch.Tensor, prox_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                 advantages: torch.Tensor, mask: torch.Tensor) -> None:
+    """ValueError unless the token tensors share one ``[B, L]`` shape and ``advantages`` is
+    ``[B]`` or ``[B, L]``."""
+    if logp.shape != mask.shape or prox_logp.shape != mask.shape \
+            or behaviour_logp.shape != mask.shape:
+        raise ValueError("logp, prox_logp, behaviour_logp and mask must share one [B, L] shape")
+    if advantages.shape not in (mask.shape[:1], mask.shape):
+        raise ValueError(f"advantages must be [B] = [{mask.shape[0]}] or [B, L], "
+                         f"got {tuple(advantages.shape)}")
+
+
+def loss_stats(loss: torch.Tensor, mask: torch.Tensor, was_clipped: torch.Tensor,
+               w: torch.Tensor, capped: torch.Tensor, kl_tok: torch.Tensor | None,
+               ratio: torch.Tensor, log_ratio: torch.Tensor) -> dict[str, float]:
+    """:func:`grpo_loss`'s statistics, as token means over ``mask`` (``[B, L]`` tensors)."""
+    n = int(mask.sum())
     denom = max(n, 1)
-    loss = torch.where(mask, per_token, zero).sum() / denom
 
     def mean(x: torch.Tensor) -> float:
         return float(torch.where(mask, x.detach().to(torch.float32), 0.0).sum()) / denom
 
-    stats = {
-        "loss": float(loss.detach()),
-        "clip_fraction": mean((clipped < unclipped).float()),
-        "is_weight_mean": mean(w),
-        "is_weight_max_hit_fraction": mean((raw_w >= is_cap).float()),
-        "kl": mean(kl_tok) if kl_tok is not None else 0.0,
-        "ratio_mean": mean(ratio),
-        "approx_kl": mean(k3_kl(log_ratio.detach(), zero)),
-        "tokens": float(n),
-    }
-    return loss, stats
+    zero = torch.zeros((), dtype=log_ratio.dtype)
+    return {"loss": float(loss.detach()), "clip_fraction": mean(was_clipped.float()),
+            "is_weight_mean": mean(w), "is_weight_max_hit_fraction": mean(capped.float()),
+            "kl": mean(kl_tok) if kl_tok is not None else 0.0, "ratio_mean": mean(ratio),
+            "approx_kl": mean(k3_kl(log_ratio.detach(), zero)), "tokens": float(n)}
 
 
 def staleness_ok(trajectory_versions: Sequence[int], learner_version: int,

@@ -44,7 +44,13 @@ from typing import Literal
 
 import torch
 
-from erlay.actors.learner.grpo import group_advantages, grpo_loss, k3_kl
+from erlay.actors.learner.grpo import (
+    check_shapes,
+    group_advantages,
+    grpo_loss,
+    k3_kl,
+    loss_stats,
+)
 
 Name = Literal["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp"]
 ALGORITHMS: tuple[Name, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp")
@@ -222,75 +228,23 @@ def policy_loss(obj: Objective, logp: torch.Tensor, prox_logp: torch.Tensor,
 
     The loss is a mean over this minibatch's *units*: tokens, or for
     :attr:`Objective.per_sequence` objectives the completions with a token in the mask.
-    Only ``logp`` carries gradient.  grpo is :func:`grpo_loss` itself.
+    Only ``logp`` carries gradient.  Every objective but gspo is :func:`grpo_loss` with its
+    own clip range and aggregation.
     """
     low, high = obj.clip_range(clip_eps)
     match obj.name:
-        case "grpo":
-            return grpo_loss(logp, prox_logp, behaviour_logp, advantages, mask,
-                             clip_eps=clip_eps, is_cap=is_cap, kl_coef=kl_coef,
-                             ref_logp=ref_logp)
         case "gspo":
             return _sequence_loss(logp, prox_logp, behaviour_logp, advantages, mask,
                                   low=low, high=high, is_cap=is_cap, kl_coef=kl_coef,
                                   ref_logp=ref_logp)
-        case "reinforce_pp":
-            # The KL is already in the returns; a loss term too would count it twice.
-            return _token_loss(logp, prox_logp, behaviour_logp, advantages, mask, low=low,
-                               high=high, is_cap=is_cap, kl_coef=0.0, ref_logp=ref_logp)
-        case "dr_grpo":
-            return _token_loss(logp, prox_logp, behaviour_logp, advantages, mask, low=low,
-                               high=high, is_cap=is_cap, kl_coef=kl_coef, ref_logp=ref_logp,
-                               per_completion=obj.max_tokens)
-        case "dapo" | "rloo":
-            return _token_loss(logp, prox_logp, behaviour_logp, advantages, mask, low=low,
-                               high=high, is_cap=is_cap, kl_coef=kl_coef, ref_logp=ref_logp)
-
-
-def _check_shapes(logp: torch.Tensor, prox: torch.Tensor, behaviour: torch.Tensor,
-                  advantages: torch.Tensor, mask: torch.Tensor) -> None:
-    if logp.shape != mask.shape or prox.shape != mask.shape \
-            or behaviour.shape != mask.shape:
-        raise ValueError("logp, prox_logp, behaviour_logp and mask must share one [B, L] shape")
-    if advantages.shape not in (mask.shape[:1], mask.shape):
-        raise ValueError(f"advantages must be [B] or [B, L] = {tuple(mask.shape)}, "
-                         f"got {tuple(advantages.shape)}")
-
-
-def _token_loss(logp: torch.Tensor, prox: torch.Tensor, behaviour: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, *, low: float, high: float,
-                is_cap: float, kl_coef: float, ref_logp: torch.Tensor | None,
-                per_completion: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped, importance-weighted token surrogate with the clip range ``[1 - low,
-    1 + high]``.  Aggregated as the token mean, or with ``per_completion = C > 0`` as each
-    completion's token sum over ``C``, averaged over the completions with a masked-in token
-    (Dr. GRPO's length-unbiased form)."""
-    _check_shapes(logp, prox, behaviour, advantages, mask)
-    mask = mask.bool()
-    zero = torch.zeros((), dtype=logp.dtype)
-    log_ratio = torch.where(mask, logp - prox.detach(), zero)   # no inf/NaN from padding
-    ratio = torch.exp(log_ratio)
-    raw_w = torch.exp(torch.where(mask, prox.detach() - behaviour.detach(), zero))
-    w = raw_w.clamp(max=is_cap)
-    adv = advantages.detach().to(logp.dtype)
-    adv = adv if adv.dim() == 2 else adv[:, None]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - low, 1.0 + high) * adv
-    per_token = -torch.minimum(unclipped, clipped) * w
-    kl_tok = None
-    if ref_logp is not None:
-        kl_tok = k3_kl(logp, torch.where(mask, ref_logp.detach(), logp.detach()))
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl_tok
-    n = int(mask.sum())
-    summed = torch.where(mask, per_token, zero)
-    if per_completion:
-        rows = int(mask.any(dim=1).sum())
-        loss = summed.sum() / (per_completion * max(rows, 1))
-    else:
-        loss = summed.sum() / max(n, 1)
-    return loss, _stats(loss, mask, n, clipped < unclipped, w, raw_w >= is_cap, kl_tok,
-                        ratio, log_ratio)
+        case _:
+            # Token-level: grpo's surrogate with the objective's clip range and aggregation;
+            # reinforce_pp's KL is already in its returns, so it takes no loss term too.
+            return grpo_loss(logp, prox_logp, behaviour_logp, advantages, mask,
+                             clip_eps=low, clip_high=high, is_cap=is_cap,
+                             kl_coef=0.0 if obj.name == "reinforce_pp" else kl_coef,
+                             ref_logp=ref_logp, per_completion=obj.max_tokens
+                             if obj.name == "dr_grpo" else 0)
 
 
 def _sequence_loss(logp: torch.Tensor, prox: torch.Tensor, behaviour: torch.Tensor,
@@ -301,7 +255,7 @@ def _sequence_loss(logp: torch.Tensor, prox: torch.Tensor, behaviour: torch.Tens
     token ratios), ``w = min(exp(mean_t (prox - behaviour)), is_cap)`` and ``-min(s * A,
     clip(s, 1 - low, 1 + high) * A) * w``, plus ``kl_coef`` times its mean token k3 against
     the reference; averaged over the completions with a masked-in token."""
-    _check_shapes(logp, prox, behaviour, advantages, mask)
+    check_shapes(logp, prox, behaviour, advantages, mask)
     if advantages.dim() != 1:
         raise ValueError("gspo's advantages are per completion ([B])")
     mask = mask.bool()
@@ -329,21 +283,5 @@ def _sequence_loss(logp: torch.Tensor, prox: torch.Tensor, behaviour: torch.Tens
     # average over minibatches like every other objective's.
     def spread(x: torch.Tensor) -> torch.Tensor:
         return x[:, None].expand(mask.shape)
-    return loss, _stats(loss, mask, int(mask.sum()), spread(clipped < unclipped), spread(w),
-                        spread(raw_w >= is_cap), kl_tok, spread(seq_ratio), log_ratio)
-
-
-def _stats(loss: torch.Tensor, mask: torch.Tensor, n: int, was_clipped: torch.Tensor,
-           w: torch.Tensor, capped: torch.Tensor, kl_tok: torch.Tensor | None,
-           ratio: torch.Tensor, log_ratio: torch.Tensor) -> dict[str, float]:
-    """The statistics :func:`grpo_loss` reports, as token means over the mask."""
-    denom = max(n, 1)
-
-    def mean(x: torch.Tensor) -> float:
-        return float(torch.where(mask, x.detach().to(torch.float32), 0.0).sum()) / denom
-
-    zero = torch.zeros((), dtype=log_ratio.dtype)
-    return {"loss": float(loss.detach()), "clip_fraction": mean(was_clipped.float()),
-            "is_weight_mean": mean(w), "is_weight_max_hit_fraction": mean(capped.float()),
-            "kl": mean(kl_tok) if kl_tok is not None else 0.0, "ratio_mean": mean(ratio),
-            "approx_kl": mean(k3_kl(log_ratio.detach(), zero)), "tokens": float(n)}
+    return loss, loss_stats(loss, mask, spread(clipped < unclipped), spread(w),
+                            spread(raw_w >= is_cap), kl_tok, spread(seq_ratio), log_ratio)
