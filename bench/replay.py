@@ -171,6 +171,9 @@ class PrefillLedger:
     # without may never have been admitted there, and has nothing to hand off).
     mid_decode_calls: int = 0
     mid_decode_prefill: int = 0
+    # Chunks with tokens each engine (by path) streamed, for the kill schedule: a victim must
+    # have streamed its own rollouts' tokens, not merely coexisted with an engine that did.
+    chunks_by_engine: Counter[str] = field(default_factory=Counter)
 
     def call(self, request: dict[str, Any]) -> ResumedCall:
         call = ResumedCall(turn_of(request["request_id"]),
@@ -233,6 +236,8 @@ class PrefillLedger:
             try:
                 async for chunk in original(batcher, engine, request):
                     ledger.chunk(call, chunk)
+                    if chunk.get("token_ids"):
+                        ledger.chunks_by_engine[engine.path] += 1
                     yield chunk
             except CHILD_GONE:
                 failed = True
@@ -265,7 +270,8 @@ def run(steps: int, parent: Path, name: str, kills: int, every_s: float,
     with ledger.listening() if ledger is not None else contextlib.nullcontext():
         thread.start()
         if kills:
-            _kill_on_schedule(job, kills, every_s, killed_at, thread, backend, memory)
+            assert ledger is not None, "a faulted run needs the ledger the kills are timed by"
+            _kill_on_schedule(job, kills, every_s, killed_at, thread, ledger, backend)
         thread.join()
     shutdown_ray()
     return results[0], job, memory, killed_at
@@ -288,13 +294,13 @@ class EngineView:
     running: bool          # its supervisor holds a live process for it
     admitted: bool         # the pool admitted this incarnation (it has the weights)
     load: int              # rollout requests in flight on it
+    chunks: int = 0        # chunks with tokens it has streamed so far (every incarnation)
 
 
 def pick_victim(views: list[EngineView], killed: set[tuple[str, int]],
-                busy_since: dict[str, int], chunks: int, streamed: int = 4
-                ) -> tuple[str, int] | None:
-    """The engine to kill now, or None.  ``busy_since`` (updated here) is the journal's chunk
-    count when each engine became busy; a victim has streamed ``streamed`` chunks since, and
+                busy_since: dict[str, int], streamed: int = 4) -> tuple[str, int] | None:
+    """The engine to kill now, or None.  ``busy_since`` (updated here) is each engine's own
+    chunk count when it became busy; a victim has streamed ``streamed`` chunks since, and
     at least one per rollout it holds (so that its rollouts are mid-decode, with a prefix
     and a saved KV cache to resume from), and serves, and so does every other engine
     (somewhere to resume on).  Serving is running, admitted and not killed by us: a killed
@@ -304,17 +310,17 @@ def pick_victim(views: list[EngineView], killed: set[tuple[str, int]],
     serving = {v.key[0]: v.running and v.admitted and v.key not in killed for v in views}
     for v in views:
         if v.load and serving[v.key[0]]:
-            busy_since.setdefault(v.key[0], chunks)
+            busy_since.setdefault(v.key[0], v.chunks)
         else:
             busy_since.pop(v.key[0], None)
     return next((v.key for v in views if v.key[0] in busy_since
-                 and chunks >= busy_since[v.key[0]] + max(streamed, v.load)
+                 and v.chunks >= busy_since[v.key[0]] + max(streamed, v.load)
                  and all(ok for path, ok in serving.items() if path != v.key[0])), None)
 
 
 def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[float],
-                      thread: threading.Thread, backend: str = "torch",
-                      memory: MemoryTransitions | None = None) -> None:
+                      thread: threading.Thread, ledger: PrefillLedger,
+                      backend: str = "torch") -> None:
     """SIGKILL an engine holding rollouts, at most every ``every_s`` seconds, once RL is
     generating: after each pause, as soon as :func:`pick_victim` names one.  Its pid is
     looked up ahead of time, so the kill lands at once."""
@@ -328,7 +334,6 @@ def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[floa
         busy_since: dict[str, int] = {}
         while thread.is_alive():
             pool = job.coordinator.engines if job.coordinator else None
-            chunks = memory.count(TransitionKind.CHUNK) if memory is not None else 0
             views = []
             for path in ENGINES:
                 try:
@@ -339,10 +344,11 @@ def _kill_on_schedule(job: Job, kills: int, every_s: float, killed_at: list[floa
                     ref.process  # noqa: B018 - raises while the child is restarting
                     views.append(EngineView(key, True, pool is not None and
                                             pool._admitted.get(path) == key[1],
-                                            pool._load.get(path, 0) if pool else 0))
+                                            pool._load.get(path, 0) if pool else 0,
+                                            ledger.chunks_by_engine[path]))
                 except Exception:  # restarting: neither a target nor a refuge now
                     views.append(EngineView((path, -1), False, False, 0))
-            target = pick_victim(views, killed, busy_since, chunks)
+            target = pick_victim(views, killed, busy_since)
             if target is not None:
                 os.kill(victims[target], signal.SIGKILL)
                 killed.add(target)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -109,7 +110,8 @@ def test_listening_feeds_the_ledger_from_the_batcher_streams_and_then_lets_go(
         got: list[int] = []
         for attempt in range(2):
             try:
-                async for c in batcher.stream(None, request(attempt, prefix=len(got))):
+                engine = types.SimpleNamespace(path=f"engine-{attempt}")
+                async for c in batcher.stream(engine, request(attempt, prefix=len(got))):
                     got += c["token_ids"]
             except ChildNotRunning:
                 continue
@@ -121,6 +123,7 @@ def test_listening_feeds_the_ledger_from_the_batcher_streams_and_then_lets_go(
     assert EngineBatcher.stream is scripted
     assert ledger.figures()["prefill_tokens_recomputed"] == 6
     assert ledger.figures()["resumed_calls"] == 1
+    assert ledger.chunks_by_engine == {"engine-0": 1, "engine-1": 1}
 
 
 # ------------------------------------------------------------------- resume stages
@@ -166,31 +169,46 @@ def test_each_kill_reports_the_resumes_it_caused_apart() -> None:
 
 # ---------------------------------------------------------------------- kill schedule
 def view(path: str, incarnation: int = 1, running: bool = True, admitted: bool = True,
-         load: int = 0) -> EngineView:
-    return EngineView((path, incarnation), running, admitted, load)
+         load: int = 0, chunks: int = 0) -> EngineView:
+    return EngineView((path, incarnation), running, admitted, load, chunks)
 
 
 def test_an_engine_is_killed_once_it_has_streamed_while_the_other_serves() -> None:
     busy: dict[str, int] = {}
-    views = [view("e0", load=3), view("e1", load=3)]
-    assert pick_victim(views, set(), busy, chunks=10) is None   # busy from now on
-    assert pick_victim(views, set(), busy, chunks=13) is None
-    assert pick_victim(views, set(), busy, chunks=14) == ("e0", 1)
+    assert pick_victim([view("e0", load=3, chunks=10), view("e1", load=3, chunks=10)],
+                       set(), busy) is None   # busy from now on
+    assert pick_victim([view("e0", load=3, chunks=13), view("e1", load=3, chunks=10)],
+                       set(), busy) is None
+    assert pick_victim([view("e0", load=3, chunks=14), view("e1", load=3, chunks=10)],
+                       set(), busy) == ("e0", 1)
+
+
+def test_an_engine_is_not_killed_for_the_chunks_another_engine_streamed() -> None:
+    """The CI failure this guards: e0 still prefilling its 128 rollouts while e1 streams.
+    Killed then, none of e0's rollouts has a prefix or a saved KV cache to hand off."""
+    busy: dict[str, int] = {}
+    for e1_chunks in (0, 50, 500):
+        assert pick_victim([view("e0", load=128, chunks=0), view("e1", load=4, chunks=e1_chunks)],
+                           set(), busy) in (None, ("e1", 1))
+    assert pick_victim([view("e0", load=128, chunks=0),
+                                     view("e1", load=4, chunks=900)], set(), busy) != ("e0", 1)
+    assert pick_victim([view("e0", load=128, chunks=128), view("e1", load=4, chunks=900)],
+                       set(), {"e0": 0}) == ("e0", 1)
 
 
 def test_a_killed_engine_that_still_looks_running_is_no_refuge() -> None:
     """Its supervisor has not handled the exit yet: same incarnation, admitted, running."""
     busy = {"e1": 0}
-    views = [view("e0", load=3), view("e1", load=3)]
-    assert pick_victim(views, {("e0", 1)}, busy, chunks=50) is None
+    views = [view("e0", load=3, chunks=50), view("e1", load=3, chunks=50)]
+    assert pick_victim(views, {("e0", 1)}, busy) is None
 
 
 def test_an_engine_restarting_or_not_admitted_is_no_refuge() -> None:
     for other in (view("e0", -1, running=False, admitted=False), view("e0", 2, admitted=False)):
         busy = {"e1": 0}
-        assert pick_victim([other, view("e1", load=3)], set(), busy, chunks=50) is None
+        assert pick_victim([other, view("e1", load=3, chunks=50)], set(), busy) is None
     busy = {"e1": 0}
-    assert pick_victim([view("e0", 2), view("e1", load=3)], set(), busy, chunks=50) \
+    assert pick_victim([view("e0", 2), view("e1", load=3, chunks=50)], set(), busy) \
         == ("e1", 1)
 
 
