@@ -15,9 +15,14 @@ Importing this module is cheap: each command imports what it runs inside :meth:`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from erlay.actors.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class RunCommand:
     def run(self, args: argparse.Namespace) -> int:
         from erlay.actors.config import ConfigError, load_config
         from erlay.actors.rundir import RunDir
+        from erlay.supervisor.errors import ErlayError
         overrides = list(args.overrides)
         config = args.config
         if args.resume:
@@ -58,8 +64,8 @@ class RunCommand:
                       file=sys.stderr)
                 return 2
             try:
-                run_dir = RunDir.open(args.resume)
-            except FileNotFoundError as exc:
+                run_dir = self._open_for_resume(args.resume, overrides)
+            except (FileNotFoundError, FileExistsError, ErlayError) as exc:
                 print(f"erlay: cannot resume: {exc}", file=sys.stderr)
                 return 2
             config = run_dir.config
@@ -68,25 +74,31 @@ class RunCommand:
             return 2
         if args.address:
             overrides.append(f"ray.address={args.address}")
-        from erlay.actors.rundir import RunDirError, run_location
+        from erlay.actors.job.remote_runs import prepare_remote
+        from erlay.actors.rundir import RunDirError, remote_storage, run_location
+        from erlay.actors.storage.remote import StorageError
         try:
             cfg = load_config(config, overrides)
             if not args.resume:  # a run_dir in use: said before the slower checks
                 run_location(cfg.run.storage, cfg.run.run_dir)
+                url = None if cfg.run.run_dir else remote_storage(cfg.run.storage, os.environ)
+                if url is not None:   # a missing bucket, refused credentials: said now
+                    prepare_remote(url)
             from erlay.actors.job.preflight import preflight
             preflight(cfg)
-        except (ConfigError, RunDirError) as exc:
+        except (ConfigError, RunDirError, StorageError) as exc:
             print(f"erlay: {exc}", file=sys.stderr)
             return 2
         if not args.resume:
             try:
-                run_dir = RunDir.create_for(cfg.run.name, cfg.run.storage, cfg.run.run_dir)
-            except (RunDirError, OSError) as exc:  # taken meanwhile; storage not writable
+                run_dir = RunDir.create_for(cfg.run.name, cfg.run.storage, cfg.run.run_dir,
+                                            staging=cfg.run.staging)
+            except (RunDirError, StorageError, OSError) as exc:  # taken meanwhile; not writable
                 print(f"erlay: cannot create the run directory: {exc}", file=sys.stderr)
                 return 2
         # The first line of the job's log (``ray job logs`` included): where everything goes.
-        print(f"erlay: {'resuming' if args.resume else 'run directory'} "
-              f"{run_dir.path.absolute()}", flush=True)
+        print(f"erlay: {'resuming' if args.resume else 'run directory'} {run_dir.location}"
+              + (f" (working copy {run_dir.path})" if run_dir.remote else ""), flush=True)
         self._warn_if_in_ray_working_dir(run_dir.path.absolute())
         from erlay.actors.job import Job
         if args.no_progress:  # the per-step lines take the bar's place, on stderr
@@ -100,8 +112,28 @@ class RunCommand:
             where = f" in {result.offender}" if result.offender else ""
             print(f"erlay: job failed{where}: {result.reason}", file=sys.stderr)
             return 1
-        print(f"erlay: finished: {cfg.run.steps} steps trained; {run_dir.path}")
+        print(f"erlay: finished: {cfg.run.steps} steps trained; {run_dir.location}")
         return 0
+
+    @staticmethod
+    def _open_for_resume(where: str, overrides: list[str]) -> RunDir:
+        """The run to continue: a local run directory, or a remote one fetched into a fresh
+        local copy (under ``run.staging`` when an override gives it)."""
+        from erlay.actors.rundir import RunDir
+        from erlay.actors.storage.remote import is_remote
+        if not is_remote(where):
+            return RunDir.open(where)
+        from erlay.actors.job.remote_runs import resume_remote
+        staging = next((o.partition("=")[2] for o in overrides
+                        if o.startswith("run.staging=")), None)
+        run_dir, fetched = resume_remote(where, staging)
+        print(f"erlay: fetched {fetched.files} files ({fetched.bytes / 1e6:.1f} MB) from {where}"
+              + (f"; resuming from the checkpoint of step {fetched.checkpoint}"
+                 if fetched.checkpoint is not None else "; no usable checkpoint: from step 0")
+              + (f"; retired the remote checkpoints of steps {list(fetched.skipped_checkpoints)}"
+                 " (their journal records were lost)" if fetched.skipped_checkpoints else ""),
+              flush=True)
+        return run_dir
 
     @staticmethod
     def _warn_if_in_ray_working_dir(path: Path) -> None:
@@ -164,7 +196,8 @@ class StatusCommand:
         parser.add_argument("--job", "--run", dest="job", metavar="NAME_OR_ID",
                             help="the run's name or id, or the Ray job or submission id, "
                             "when several erlay jobs run on the cluster")
-        parser.add_argument("--address", help="Ray cluster of the job (default: RAY_ADDRESS, "
+        parser.add_argument("--address", help="Ray cluster of the job: its GCS (HEAD:6379) "
+                            "or its dashboard (http://HEAD:8265) (default: RAY_ADDRESS, "
                             "else the local Ray this machine started last)")
         parser.add_argument("--watch", action="store_true", help="refresh in place until the "
                             "job ends (exit 0) or the cluster goes away (exit 1)")
@@ -187,13 +220,33 @@ class ReportCommand:
     takes_overrides: bool = False
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("run_dir", help="the run directory")
+        parser.add_argument("run_dir", help="the run directory, or its object-store URL "
+                            "(s3://...)")
         parser.add_argument("--out", help="where to write report.md and its plots (default: "
-                            "RUN_DIR/report)")
+                            "RUN_DIR/report, uploaded there for a remote run)")
 
     def run(self, args: argparse.Namespace) -> int:
         from erlay.actors.observe.report import cli_report
-        return cli_report(args)
+        from erlay.actors.storage.remote import StorageError, is_remote
+        if not is_remote(args.run_dir):
+            return cli_report(args)
+        # A run on an object store: reported from a fresh copy, and the report goes back
+        # under the run (RUN/report/) unless --out names a local place.
+        from erlay.actors.job.remote_runs import fetched, upload_tree
+        from erlay.actors.storage.remote import join
+        url = args.run_dir
+        try:
+            with fetched(url, checkpoint="none") as local:
+                out = Path(args.out) if args.out else local / "report"
+                code = cli_report(argparse.Namespace(**{**vars(args), "run_dir": str(local),
+                                                        "out": str(out)}))
+                if code == 0 and not args.out:
+                    upload_tree(out, join(url, "report"))
+                    print(f"erlay: report uploaded to {join(url, 'report', 'report.md')}")
+                return code
+        except StorageError as exc:
+            print(f"erlay: {exc}", file=sys.stderr)
+            return 2
 
 
 @dataclass(frozen=True)
@@ -207,8 +260,9 @@ class ExportCommand:
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("run_dir", help="the run directory (it holds config.yaml and "
-                            "checkpoints/)")
-        parser.add_argument("out_dir", help="where to write the model directory")
+                            "checkpoints/), or its object-store URL (s3://...)")
+        parser.add_argument("out_dir", help="where to write the model directory (a local "
+                            "path or an object-store URL)")
         parser.add_argument("--step", type=int, help="the checkpoint of this step (default: "
                             "the newest committed one)")
         parser.add_argument("--adapter", action="store_true", help="write the LoRA adapter "
@@ -216,13 +270,27 @@ class ExportCommand:
                             "instead of the merged model")
 
     def run(self, args: argparse.Namespace) -> int:
+        import contextlib
+        import tempfile
+
         from erlay.actors.job.export import ExportError, export_run
+        from erlay.actors.job.remote_runs import fetched, upload_tree
+        from erlay.actors.storage.remote import StorageError, is_remote
         try:
-            done = export_run(args.run_dir, args.out_dir, step=args.step, adapter=args.adapter)
-        except ExportError as exc:
+            # A run on an object store: its config and the checkpoint, fetched; an OUT_DIR
+            # on one: written locally, then uploaded.
+            with (fetched(args.run_dir, checkpoint="newest", step=args.step, journal=False)
+                  if is_remote(args.run_dir) else contextlib.nullcontext(args.run_dir)) \
+                    as run_dir, tempfile.TemporaryDirectory(prefix="erlay-export-") as tmp:
+                out = Path(tmp) / "model" if is_remote(args.out_dir) else args.out_dir
+                done = export_run(run_dir, out, step=args.step, adapter=args.adapter)
+                if is_remote(args.out_dir):
+                    upload_tree(done.out, args.out_dir)
+        except (ExportError, StorageError) as exc:
             print(f"erlay: {exc}", file=sys.stderr)
             return 2
-        print(f"erlay: exported step {done.step} ({done.kind}) to {done.out}")
+        print(f"erlay: exported step {done.step} ({done.kind}) to "
+              f"{args.out_dir if is_remote(args.out_dir) else done.out}")
         return 0
 
 

@@ -16,10 +16,15 @@ which ``ray job submit``'s copy of the working directory is one of.
         journal/, checkpoints/   the rollout journal and the learner's checkpoints
         report/          ``erlay report``'s Markdown and plots, when asked for
 
+With remote storage (``run.storage=s3://bucket/prefix``) the run works in a local copy,
+``<staging>/<name>-<YYYYmmdd-HHMMSS>``, and :attr:`RunDir.remote` names its remote home,
+``<storage>/<name>-<YYYYmmdd-HHMMSS>``; the mirrors (:mod:`erlay.actors.storage.mirror`) upload
+the copy there in the background.
+
 Only the layout, shared by every room: the summary and the reward plot are written by
 :mod:`erlay.actors.observe.summary`.
 
-May import: erlay.supervisor.
+May import: erlay.supervisor, erlay.actors.storage.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from erlay.actors.storage.remote import Remote, is_remote, open_remote
 from erlay.supervisor.errors import ErlayError
 
 STORAGE_ENV = "ERLAY_STORAGE"
 DEFAULT_STORAGE = "~/erlay-runs"
+DEFAULT_STAGING = "~/erlay-runs/staging"
 
 
 class RunDirError(ErlayError):
@@ -53,16 +60,20 @@ def expand_path(raw: str, env: Mapping[str, str], cwd: Path) -> Path:
 
 
 def storage_root(storage: str | None, env: Mapping[str, str], cwd: Path) -> Path:
-    """The directory auto-named run directories go under: ``storage``, else
-    ``env[ERLAY_STORAGE]``, else ``~/erlay-runs``.  Raises :class:`RunDirError` for a remote
-    URL (``s3://``, ``gs://``), which only the environment variable can still carry here:
-    ``run.storage`` itself is checked when the config loads."""
+    """The local directory auto-named run directories go under: ``storage``, else
+    ``env[ERLAY_STORAGE]``, else ``~/erlay-runs``; with remote storage (:func:`remote_storage`),
+    the staging root instead."""
     raw = storage or env.get(STORAGE_ENV) or DEFAULT_STORAGE
-    if "://" in raw:
-        source = "run.storage" if storage else STORAGE_ENV
-        raise RunDirError(f"{source}={raw}: remote storage is not supported yet; give a local "
-                          "or shared-filesystem directory")
+    if is_remote(raw):
+        raw = DEFAULT_STAGING
     return expand_path(raw, env, cwd)
+
+
+def remote_storage(storage: str | None, env: Mapping[str, str]) -> str | None:
+    """The object-store URL auto-named run directories go under (``storage``, else
+    ``env[ERLAY_STORAGE]``), or None for local storage."""
+    raw = storage or env.get(STORAGE_ENV)
+    return raw if is_remote(raw) else None
 
 
 def check_exact(path: Path) -> None:
@@ -107,10 +118,18 @@ def in_ray_working_dir(path: Path, cwd: Path) -> bool:
 
 
 class RunDir:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, remote: Remote | None = None) -> None:
         self.path = path
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        # The run's remote home, when run.storage is an object store: this directory is
+        # then the local working copy the mirrors upload.
+        self.remote = remote
+
+    @property
+    def location(self) -> str:
+        """Where the run lives, as a user names it: the remote URL, else the local path."""
+        return self.remote.url if self.remote is not None else str(self.path)
 
     @staticmethod
     def create(parent: str | Path, name: str) -> RunDir:
@@ -131,22 +150,38 @@ class RunDir:
 
     @staticmethod
     def create_for(name: str, storage: str | None = None, run_dir: str | None = None,
-                   env: Mapping[str, str] | None = None, cwd: Path | None = None) -> RunDir:
+                   env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                   staging: str | None = None) -> RunDir:
         """The run directory a config asks for (``run.name``, ``run.storage``,
-        ``run.run_dir``), created, with an absolute path.  ``env`` and ``cwd`` default to the
-        process's.  Raises :class:`RunDirError` as :func:`run_location` does."""
-        path, exact = run_location(storage, run_dir, env, cwd)
-        return RunDir(path) if exact else RunDir.create(path, name)
+        ``run.run_dir``, ``run.staging``), created, with an absolute path.  With remote
+        storage, a local copy under the staging root whose name no remote run has taken;
+        nothing is written remotely yet.  ``env`` and ``cwd`` default to the process's.
+        Raises :class:`RunDirError` as :func:`run_location` does, and
+        :class:`~erlay.actors.storage.remote.StorageError` when the store does not answer."""
+        env = os.environ if env is None else env
+        cwd = Path.cwd() if cwd is None else cwd
+        url = None if run_dir else remote_storage(storage, env)
+        if url is None:
+            path, exact = run_location(storage, run_dir, env, cwd)
+            return RunDir(path) if exact else RunDir.create(path, name)
+        remote = open_remote(url)
+        local_root = expand_path(staging or DEFAULT_STAGING, env, cwd)
+        while True:
+            local = RunDir.create(local_root, name)
+            home = remote.child(local.path.name)
+            if not home.exists("config.yaml"):   # else taken by a run on another machine
+                local.remote = home
+                return local
 
     @staticmethod
-    def open(path: str | Path) -> RunDir:
+    def open(path: str | Path, remote: Remote | None = None) -> RunDir:
         """An existing run directory, to resume.  Raises FileNotFoundError naming what is
         missing.  A torn last line of ``metrics.jsonl`` or ``events.jsonl`` (the driver died
         mid-write) is cut, so the resumed run's lines follow whole ones."""
         run = Path(path)
         if not (run / "config.yaml").is_file():
             raise FileNotFoundError(f"{run} is not an erlay run directory (no config.yaml)")
-        rd = RunDir(run)
+        rd = RunDir(run, remote)
         for jsonl in (rd.metrics, rd.events):
             data = jsonl.read_bytes() if jsonl.exists() else b""
             if data and not data.endswith(b"\n"):

@@ -99,19 +99,26 @@ class VerifyCommand:
     takes_overrides: bool = False
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("run_dir", help="the run directory (holds config.yaml)")
+        parser.add_argument("run_dir", help="the run directory (holds config.yaml), or its "
+                            "object-store URL (s3://...)")
         parser.add_argument("--json", action="store_true", help="print only the JSON "
                             "object, with every invariant's detail")
 
     def run(self, args: argparse.Namespace) -> int:
+        import contextlib
         import json
 
         from erlay.actors.config import ConfigError
+        from erlay.actors.job.remote_runs import fetched
+        from erlay.actors.storage.remote import StorageError, is_remote
         from erlay.chaos.evidence import NotARunDir
         from erlay.chaos.verify import render, verify
         try:
-            result = verify(args.run_dir)
-        except (NotARunDir, ConfigError) as exc:
+            # A run on an object store is verified from a fresh copy of everything it holds.
+            with (fetched(args.run_dir, checkpoint="all") if is_remote(args.run_dir)
+                  else contextlib.nullcontext(args.run_dir)) as run_dir:
+                result = verify(run_dir)
+        except (NotARunDir, ConfigError, StorageError) as exc:
             print(f"erlay: {exc}", file=sys.stderr)
             return 2
         if args.json:

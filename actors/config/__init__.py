@@ -22,7 +22,7 @@ Example: the defaults with one override, and a typo refused by name (the message
     erlay.actors.config.ConfigError: invalid configuration: run.stepz: unknown key ...
 
 May import: erlay.supervisor, erlay.sandbox, erlay.environments, erlay.judges (the default
-plug-ins are named by import path).
+plug-ins are named by import path), erlay.actors.storage (which storage URLs open).
 """
 
 from __future__ import annotations
@@ -33,7 +33,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from erlay.actors.config.algorithm import AlgorithmSection
 from erlay.actors.config.control import ControlSection
@@ -64,29 +72,44 @@ class RunSection(Section):
 
     name: str = Field("erlay", description="run name; an auto-named run directory is "
                       "<storage>/<name>-<YYYYmmdd-HHMMSS>")
-    storage: str | None = Field(None, description="directory under which every auto-named "
-                                "run directory goes, local or on a shared filesystem "
-                                "(null: $ERLAY_STORAGE, else ~/erlay-runs; relative: to the "
-                                "working directory); remote s3:// or gs:// is not supported "
-                                "yet")
+    storage: str | None = Field(None, description="where every auto-named run directory "
+                                "goes: a local or shared-filesystem directory, or an object "
+                                "store URL (s3://bucket/prefix, gs://bucket/prefix), the run "
+                                "then working in a local copy under staging and uploading in "
+                                "the background (null: $ERLAY_STORAGE, else ~/erlay-runs; "
+                                "relative: to the working directory)")
     run_dir: str | None = Field(None, description="this run's directory, exactly, instead of "
-                                "an auto-named one under storage; it must be new or empty")
+                                "an auto-named one under storage; local; it must be new or "
+                                "empty")
+    staging: str | None = Field(None, description="with remote storage: the local directory "
+                                "under which the run's working copy (journal, checkpoint "
+                                "staging, logs) lives, named as the remote one (null: "
+                                "~/erlay-runs/staging)")
+    upload_every_s: float = Field(5.0, gt=0, description="with remote storage: upload what "
+                                  "changed this often; a crash of a machine loses at most "
+                                  "about this much of what it wrote (docs/storage.md)")
+    upload_timeout_s: float = Field(300.0, gt=0, description="with remote storage: how long "
+                                    "the end of a run waits for its last uploads; past it "
+                                    "the run fails (exit 1) and says where the local copy is")
     seed: int = Field(0, description="seed for data order, sampling and initialisation")
     steps: int = Field(100, ge=1, description="RL steps (learner updates)")
     stall_timeout_s: float = Field(1800.0, gt=0, description="a job that reports no progress "
                                    "(no step, no warm start) for this long is stopped as "
                                    "stalled, exit code 1")
 
-    @field_validator("storage", "run_dir")
+    @field_validator("storage", "run_dir", "staging")
     @classmethod
-    def _local_path(cls, value: str | None) -> str | None:
+    def _path_or_url(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None:
             return value
         if not value.strip():
             raise ValueError("must be a directory path, or null for the default")
         if "://" in value:
-            raise ValueError("remote storage is not supported yet; give a local or "
-                             "shared-filesystem directory")
+            if info.field_name != "storage":
+                raise ValueError("must be a local directory; an object store URL goes in "
+                                 "run.storage")
+            from erlay.actors.storage.remote import check_url
+            check_url(value)
         return value
 
 

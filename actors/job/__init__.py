@@ -7,7 +7,8 @@
   transition;
 - :mod:`.domains`: the clients the coordinator uses to reach the other fault domains;
 - :mod:`.node_runtime`: what every node gets before the tree starts (caches, versions,
-  declared environment, NUMA binding).
+  declared environment, NUMA binding);
+- :mod:`.remote_runs`: runs on an object store, resumed, exported and reported from there.
 
 ``Job``, ``JobResult`` and ``ROOT`` are importable from here; they load on first use, so
 importing :mod:`erlay.actors.job.node_runtime` alone does not pull in the whole job.
@@ -15,7 +16,7 @@ importing :mod:`erlay.actors.job.node_runtime` alone does not pull in the whole 
 May import: erlay.supervisor, erlay.environments, erlay.sandbox, erlay.judges,
 erlay.actors.config, erlay.actors.rundir, erlay.actors.model, erlay.actors.journal,
 erlay.actors.engine, erlay.actors.learner, erlay.actors.observe, erlay.actors.data,
-erlay.actors.control.
+erlay.actors.control, erlay.actors.storage.
 """
 
 from __future__ import annotations

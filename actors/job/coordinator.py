@@ -284,6 +284,10 @@ class RolloutCoordinator:
         waited = await self._learner_call("wait_checkpoints",
                                           all_ranks=self.cfg.learner.backend != "replicated")
         self._saves_failed((waited or {}).get("failed") or [])
+        upload = (waited or {}).get("upload")   # remote storage: the learner's last uploads
+        if upload is not None and not upload["ok"]:
+            self.ctx.abort(f"the learner's checkpoints and ledger did not reach the run's "
+                           f"remote home: {upload['error']}")
         self.ctx.training_ended(n)
         self.progress.end()
 

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from erlay.actors.config import ConfigError, DomainFlags, JobConfig
-from erlay.actors.config.algorithm import objective
 from erlay.actors.control.policy import Action
 from erlay.actors.engine.kv_handoff import driver_owner
 from erlay.actors.job.coordinator import RolloutCoordinator
 from erlay.actors.job.env_worker import EnvironmentSpec
+from erlay.actors.job.learner_wiring import learner_class, learner_options
 from erlay.actors.job.modelplan import plan_model
 from erlay.actors.job.node_runtime import (
     HandoffDir,
@@ -51,11 +51,11 @@ from erlay.actors.job.seam import CoordinatorContext, DomainPaths
 from erlay.actors.job.validation import environment_spec
 from erlay.actors.journal.store import FsyncPolicy, Journal
 from erlay.actors.journal.transitions import NullTransitions, TeeTransitions, TransitionSink
-from erlay.actors.learner.options import LearnerOptions
 from erlay.actors.observe.summary import plot_rewards, write_summary
 from erlay.actors.observe.telemetry import JobTelemetry
 from erlay.actors.observe.trackers import Trackers
 from erlay.actors.rundir import RunDir
+from erlay.actors.storage.mirror import Mirror, driver_files
 from erlay.supervisor.errors import ChildStartError, SupervisorFailed, VersionMismatch
 from erlay.supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
 from erlay.supervisor.gcpauses import short_gc_pauses
@@ -96,46 +96,6 @@ def _live(specs: list[ChildSpec], domain: DomainFlags) -> list[ChildSpec]:
     """``specs`` with the domain's heartbeat (``supervision.<domain>.heartbeat_*``)."""
     liveness = Liveness(domain.heartbeat_s, domain.heartbeat_misses)
     return [dataclasses.replace(spec, liveness=liveness) for spec in specs]
-
-
-def learner_class(cfg: JobConfig) -> type:
-    """The actor class of a learner rank for ``learner.backend``: :class:`Learner` for
-    replicated and fsdp2, megatron-core's :class:`MegatronLearner` (imported only when named,
-    since it needs megatron-core) for megatron."""
-    match cfg.learner.backend:
-        case "replicated" | "fsdp2":
-            from erlay.actors.learner.rank import Learner
-            return Learner
-        case "megatron":
-            from erlay.actors.learner.megatron_backend import MegatronLearner
-            return MegatronLearner
-    raise ConfigError(f"learner.backend: unknown backend {cfg.learner.backend!r}")
-
-
-def learner_options(cfg: JobConfig, rank: int, *, rendezvous: str | None,
-                    run_dir: RunDir) -> LearnerOptions:
-    """Learner rank ``rank``'s options, from the config: the one place a learner option is
-    read from it (:mod:`erlay.actors.learner.options`)."""
-    learner = cfg.learner
-    vllm = cfg.engine.vllm
-    return LearnerOptions(
-        objective=objective(cfg.algorithm, cfg.engine.max_new_tokens),
-        lr=learner.lr, weight_decay=learner.weight_decay, max_grad_norm=learner.max_grad_norm,
-        clip_eps=learner.clip_eps, is_cap=learner.is_cap, kl_coef=learner.kl_coef,
-        temperature=cfg.engine.temperature, lr_decay_steps=learner.lr_decay_steps,
-        lr_min_ratio=learner.lr_min_ratio, mtp_loss_weight=learner.mtp_loss_weight,
-        minibatches=learner.minibatches, seed=cfg.run.seed, torch_threads=learner.torch_threads,
-        device=learner.device, rank=rank, world_size=learner.num_ranks, rendezvous=rendezvous,
-        backend=learner.backend, fsdp_cpu_offload=learner.fsdp.cpu_offload,
-        fsdp_reshard_after_forward=learner.fsdp.reshard_after_forward,
-        tensor_parallel=learner.megatron.tensor_parallel,
-        pipeline_parallel=learner.megatron.pipeline_parallel,
-        data_parallel=learner.megatron.data_parallel,
-        checkpoint_dir=str(run_dir.checkpoints), checkpoint_keep=cfg.checkpoint.keep,
-        checkpoint_deadline_s=cfg.checkpoint.deadline_s, ledger_path=str(run_dir.ledger),
-        # The vllm engines serve a GPT-2 directory: the learner starts from its weights.
-        init_model_dir=vllm.model_dir if cfg.engine.backend == "vllm" and vllm.model_dir
-        else None)
 
 
 def engine_restart_delay(cfg: JobConfig) -> float:
@@ -190,6 +150,7 @@ class Job:
         self.env_spec: EnvironmentSpec = environment_spec(cfg)
         self.abort_reason: str | None = None   # set when the job must stop, failed
         self.completed_steps: int | None = None   # the coordinator's, when training ends
+        self.mirror: Mirror | None = None   # remote storage: uploads the driver's files
         self.journal: Journal | None = None
         if journal:
             jc = cfg.journal
@@ -477,6 +438,9 @@ class Job:
     def _run(self, progress: bool, on_start: Any) -> JobResult:
         cfg = self.cfg
         self.run_dir.config.write_text(cfg.to_yaml(), encoding="utf-8")
+        if self.run_dir.remote is not None:   # the driver's files go to the store too
+            self.mirror = Mirror(self.run_dir.path, self.run_dir.remote, driver_files,
+                                 cfg.run.upload_every_s, name="driver mirror").start()
         from erlay.actors.observe.status import StatusPublisher, identity_metadata
         ray_info = ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
                               include_dashboard=cfg.ray.include_dashboard,
@@ -563,7 +527,22 @@ class Job:
         write_summary(self.run_dir, result.status, time.time() - self._t0, result.reason,
                       started_at=self._t0)
         self._append_attribution()
-        return result
+        return self._uploaded(result)
+
+    def _uploaded(self, result: JobResult) -> JobResult:
+        """``result``, once the driver's files reached the remote home; a run whose files
+        did not (past ``run.upload_timeout_s``) failed, and says where its local copy is."""
+        if self.mirror is None:
+            return result
+        done = self.mirror.close(self.cfg.run.upload_timeout_s)
+        if done.ok:
+            return result
+        why = (f"the run directory was not uploaded to {self.run_dir.location}: {done.error}; "
+               f"the local copy is {self.run_dir.path}")
+        log.error("%s", why)
+        if result.status != "finished":
+            return result
+        return dataclasses.replace(result, status="failed", reason=why, offender="storage")
 
     def _export(self, out: Path) -> Path:
         """The run's newest checkpoint as an HF model directory in ``out`` (``erlay
@@ -582,7 +561,7 @@ class Job:
             return
         with self.run_dir.summary.open("a", encoding="utf-8") as f:
             f.write("\n" + "\n".join(lines) + "\n\nFull report: `erlay report "
-                    f"{self.run_dir.path}`\n")
+                    f"{self.run_dir.location}`\n")
 
     def _close(self) -> None:
         self.telemetry.close()

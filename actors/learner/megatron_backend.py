@@ -180,6 +180,8 @@ class MegatronLearner:
         self.restored: dict[str, Any] | None = None
         self._pending_state: dict[str, Any] | None = None
         info = None
+        from erlay.actors.learner.uploads import fetch_newer_checkpoint, start_mirror
+        fetch_newer_checkpoint(o)   # remote storage: this node may lack the newest one
         if self.checkpoint_dir is not None:
             from erlay.actors.learner.checkpoint import latest, load
             info = latest(self.checkpoint_dir)
@@ -194,6 +196,7 @@ class MegatronLearner:
             self.ledger = LearnerLedger(o.ledger_path)
         if self.ledger is not None:
             self.ledger.started(self._step, self.restored is not None)
+        self._mirror = start_mirror(o)   # remote storage: rank 0 uploads both
         if o.world_size == 1:
             self._ensure_model()
 
@@ -587,7 +590,9 @@ class MegatronLearner:
         """``{committed, failed}``, as the replicated learner answers."""
         if self._checkpointer is not None:
             self._failed_saves.settle(self._checkpointer.wait)
-        return {"committed": self.status()["committed"], "failed": self._failed_saves.take()}
+        from erlay.actors.learner.uploads import settle
+        return {"committed": self.status()["committed"], "failed": self._failed_saves.take(),
+                "upload": settle(self._mirror, self.options.upload_timeout_s)}
 
     def checkpoint_writer(self) -> dict[str, int] | None:
         """``{"step", "pid"}`` of the checkpoint worker writing a save, as the replicated

@@ -67,6 +67,11 @@ class LearnerOptions:
     checkpoint_deadline_s: float = 300.0
     ledger_path: str | None = None
     init_model_dir: str | None = None
+    # Remote run storage: the run's URL; rank 0 uploads its checkpoints and ledger there
+    # (erlay.actors.learner.uploads), any rank fetches a checkpoint its disk lacks.
+    remote_url: str | None = None
+    upload_every_s: float = 5.0
+    upload_timeout_s: float = 300.0
 
 
 def resolve(options: LearnerOptions | None, overrides: Mapping[str, Any]) -> LearnerOptions:

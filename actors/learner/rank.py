@@ -44,6 +44,7 @@ from erlay.actors.learner.rendezvous import (
     lookup_master,
     node_address,
 )
+from erlay.actors.learner.uploads import fetch_newer_checkpoint, settle, start_mirror
 from erlay.actors.model.build import shape_of
 from erlay.supervisor import failpoints
 from erlay.supervisor.failpoints import Action, failpoint
@@ -102,6 +103,7 @@ class Learner(LearnerCore):
         self._checkpointer: Any = None   # AsyncCheckpointer, or ShardedCheckpointer (fsdp2)
         self._failed_saves = FailedSaves()   # reported by the next save or wait answer
         self.restored: dict[str, Any] | None = None
+        fetch_newer_checkpoint(o)   # remote storage: this node may lack the newest one
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
         if info is not None and info.layout == SHARDED:
             self._restore_sharded_whole(info.path)
@@ -117,6 +119,7 @@ class Learner(LearnerCore):
         self.ledger = LearnerLedger(ledger_path) if ledger_path and self.rank == 0 else None
         if self.ledger is not None:
             self.ledger.started(self._step, self.restored is not None)
+        self._mirror = start_mirror(o)   # remote storage: rank 0 uploads both
 
     def _restore_sharded_whole(self, path: Path) -> None:
         """The constructor's half of restoring a sharded checkpoint (class docstring): the
@@ -248,7 +251,8 @@ class Learner(LearnerCore):
         if self._checkpointer is not None:
             self._failed_saves.settle(self._checkpointer.wait)
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
-        return {"committed": info.step if info else None, "failed": self._failed_saves.take()}
+        return {"committed": info.step if info else None, "failed": self._failed_saves.take(),
+                "upload": settle(self._mirror, self.options.upload_timeout_s)}
 
     def checkpoint_writer(self) -> dict[str, int] | None:
         """``{"step": N, "pid": P}`` while this rank's checkpoint worker process ``P`` is

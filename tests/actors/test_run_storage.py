@@ -76,20 +76,30 @@ def test_run_dir_names_one_run_exactly_and_refuses_a_used_directory(tmp_path: Pa
         RunDir.create_for("x", run_dir=str(held), env={}, cwd=tmp_path)
 
 
-@pytest.mark.parametrize("key", ["run.storage", "run.run_dir"])
 @pytest.mark.parametrize("url", ["s3://bucket/runs", "gs://bucket/runs"])
-def test_remote_storage_is_refused_in_one_line(key: str, url: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        load_config(None, [f"{key}={url}"])
-    message = str(info.value)
-    assert "\n" not in message and key in message
-    assert "remote storage is not supported yet" in message
+def test_an_object_store_is_a_storage_but_never_a_run_dir_or_staging(url: str) -> None:
+    assert load_config(None, [f"run.storage={url}"]).run.storage == url
+    for key in ("run.run_dir", "run.staging"):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [f"{key}={url}"])
+        message = str(info.value)
+        assert "\n" not in message and key in message and "goes in run.storage" in message
 
 
-def test_a_remote_erlay_storage_is_refused_too(tmp_path: Path) -> None:
-    with pytest.raises(RunDirError, match="ERLAY_STORAGE=s3://b: remote storage is not"):
-        RunDir.create_for("x", env={"ERLAY_STORAGE": "s3://b"}, cwd=tmp_path)
-    assert not any(tmp_path.iterdir())
+@pytest.mark.parametrize("url, why", [("s3:///runs", "names no bucket"),
+                                      ("ftp://host/runs", "unknown storage scheme")])
+def test_a_storage_url_erlay_cannot_open_is_one_line(url: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as info:
+        load_config(None, [f"run.storage={url}"])
+    assert "\n" not in str(info.value)
+
+
+def test_with_remote_storage_the_working_copy_goes_under_staging(tmp_path: Path) -> None:
+    from erlay.actors.rundir import remote_storage
+    env = {"HOME": str(tmp_path), "ERLAY_STORAGE": "s3://b/runs"}
+    assert remote_storage(None, env) == "s3://b/runs"
+    assert remote_storage(str(tmp_path), env) is None
+    assert storage_root(None, env, tmp_path) == tmp_path / "erlay-runs" / "staging"
 
 
 def test_rays_working_dir_copy_is_recognised() -> None:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -90,34 +91,40 @@ def erlay(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
-def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
-        tmp_path: Path) -> None:
+STEPS = 6
+DRIVER_ARGS = ["run", str(CONFIG), *SMALL, f"run.steps={STEPS}", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of :data:`DRIVER_ARGS`: what every resumed run must match."""
     import ray
     if ray.is_initialized():
         ray.shutdown()
-    steps = 6
-    args = ["run", str(CONFIG), *SMALL, f"run.steps={steps}", "--no-progress"]
-    reference = erlay(*args, f"run.storage={tmp_path / 'ref'}")
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    where = tmp_path_factory.mktemp("reference")
+    done = erlay(*DRIVER_ARGS, f"run.storage={where}")
+    assert done.returncode == 0, done.stderr[-3000:]
     # --no-progress: one log line per RL step in place of the bar
     progress = re.findall(r"erlay\.progress: step (\d+)/6 reward \S+ tokens/s \S+ restarts 0$",
-                          reference.stderr, re.MULTILINE)
-    assert progress == [str(n) for n in range(1, steps + 1)], reference.stderr[-3000:]
-    (ref_dir,) = (tmp_path / "ref").iterdir()
+                          done.stderr, re.MULTILINE)
+    assert progress == [str(n) for n in range(1, STEPS + 1)], done.stderr[-3000:]
+    (ref_dir,) = where.iterdir()
+    return ref_dir
 
-    killed = subprocess.Popen([sys.executable, "-m", "erlay.supervisor.cli", *args,
-                               f"run.storage={tmp_path / 'killed'}"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+
+def kill_driver_mid_run(extra: list[str], reached: Callable[[], object],
+                        env: dict[str, str] | None = None) -> object:
+    """Start ``erlay run`` with :data:`DRIVER_ARGS` and ``extra``, SIGKILL its driver once
+    ``reached()`` is truthy, and return that value."""
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+    killed = subprocess.Popen([sys.executable, "-m", "erlay.supervisor.cli", *DRIVER_ARGS,
+                               *extra], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True,
+                              env=env)
     try:
-        def mid_run() -> Path | None:
-            for run in (tmp_path / "killed").glob("arithmetic-*"):
-                steps_done = RunDir(run).rl_steps()
-                if steps_done and steps_done[-1]["step"] >= 2:
-                    return run
-            return None
-        run_dir = wait_for(mid_run, 300, interval=0.05, what="the run at step 2")
+        value = wait_for(reached, 300, interval=0.05, what="the run mid-way")
         os.kill(killed.pid, signal.SIGKILL)  # the driver only: Ray's processes share its fate
         killed.wait(timeout=30)
     finally:
@@ -125,17 +132,30 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
             os.killpg(killed.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return value
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
+        tmp_path: Path, reference: Path) -> None:
+    def mid_run() -> Path | None:
+        for run in (tmp_path / "killed").glob("arithmetic-*"):
+            steps_done = RunDir(run).rl_steps()
+            if steps_done and steps_done[-1]["step"] >= 2:
+                return run
+        return None
+    run_dir = kill_driver_mid_run([f"run.storage={tmp_path / 'killed'}"], mid_run)
     assert isinstance(run_dir, Path)
     before = RunDir(run_dir).rl_steps()
-    assert len(before) < steps  # it really was cut short
+    assert len(before) < STEPS  # it really was cut short
 
     resumed = erlay("run", "--resume", str(run_dir), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    got, want = RunDir(run_dir).rl_steps(), RunDir(ref_dir).rl_steps()
-    assert [m["step"] for m in got] == list(range(steps))
+    got, want = RunDir(run_dir).rl_steps(), RunDir(reference).rl_steps()
+    assert [m["step"] for m in got] == list(range(STEPS))
     assert [m["reward_mean"] for m in got] == [m["reward_mean"] for m in want]
-    assert consumed(run_dir) == consumed(ref_dir)
-    check_exactly_once(consumed(run_dir), steps, 32)
+    assert consumed(run_dir) == consumed(reference)
+    check_exactly_once(consumed(run_dir), STEPS, 32)
     summary = (run_dir / "summary.md").read_text()
     assert "status: **finished**" in summary
     # The summary is the whole run's: both driver runs and the outage between them.
@@ -146,6 +166,77 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
     total, first, second, lost = (float(x) for x in (*wall.groups(), outage.group(1)))
     assert lost > 0 and total == pytest.approx(first + second + lost, abs=0.2)
     assert "- RL steps: 6\n" in summary and "/s over the RL time)" in summary
+
+
+@pytest.mark.slow
+def test_a_run_on_s3_resumes_on_a_fresh_machine_after_its_driver_is_killed(
+        tmp_path: Path, reference: Path) -> None:
+    """The run's home is an S3 bucket (moto's server on loopback); its driver is SIGKILLed
+    mid-run and its local working copy deleted (the head machine is gone).  ``--resume
+    s3://...`` on a fresh staging directory fetches the run, restores the newest checkpoint
+    the remote journal reaches and finishes; the run then matches an uninterrupted one, and
+    ``erlay verify``, ``export`` and ``report`` work from the bucket alone."""
+    import shutil
+
+    from erlay.actors.storage.fetch import manifests, usable_checkpoints
+    from erlay.actors.storage.remote import open_remote
+    from tests.s3server import s3_server
+
+    with s3_server() as s3:
+        env = {**os.environ, **s3.env()}
+        head = tmp_path / "head"
+
+        def checkpoint_uploaded() -> str | None:
+            for run in head.glob("arithmetic-*"):
+                remote = open_remote(s3.url("runs", run.name))
+                listing = remote.listing()
+                if usable_checkpoints(listing, manifests(remote, listing), with_journal=True
+                                      ) and RunDir(run).rl_steps()[-1]["step"] >= 3:
+                    return run.name
+            return None
+        os.environ.update(s3.env())   # this process reads the bucket too
+        try:
+            name = kill_driver_mid_run([f"run.storage={s3.url('runs')}",
+                                        f"run.staging={head}", "run.upload_every_s=0.5"],
+                                       checkpoint_uploaded, env)
+            assert isinstance(name, str)
+            url = s3.url("runs", name)
+            shutil.rmtree(head)   # the head machine and its disk are gone
+
+            resumed = subprocess.run(
+                [sys.executable, "-m", "erlay.supervisor.cli", "run", "--resume", url,
+                 f"run.staging={tmp_path / 'new-head'}", "--no-progress"],
+                cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            assert "resuming from the checkpoint of step" in resumed.stdout, resumed.stdout
+            assert f"finished: {STEPS} steps trained; {url}" in resumed.stdout
+
+            # Everything below reads the bucket only.
+            copy = tmp_path / "copy"
+            from erlay.actors.storage.fetch import fetch_run
+            fetch_run(open_remote(url), copy, checkpoint="none")
+            got, want = RunDir(copy).rl_steps(), RunDir(reference).rl_steps()
+            assert [m["step"] for m in got] == list(range(STEPS))
+            assert [m["reward_mean"] for m in got] == [m["reward_mean"] for m in want]
+            assert consumed(copy) == consumed(reference)
+            check_exactly_once(consumed(copy), STEPS, 32)
+            verified = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "verify",
+                                       url], cwd=ROOT, capture_output=True, text=True,
+                                      timeout=120, env=env)
+            assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+            exported = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "export",
+                                       url, s3.url("exports", name)], cwd=ROOT,
+                                      capture_output=True, text=True, timeout=120, env=env)
+            assert exported.returncode == 0, exported.stderr[-3000:]
+            assert "model.safetensors" in open_remote(s3.url("exports", name)).listing()
+            report = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "report",
+                                     url], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=120, env=env)
+            assert report.returncode == 0, report.stderr[-3000:]
+            assert open_remote(url).exists("report/report.md")
+        finally:
+            for key in s3.env():
+                os.environ.pop(key, None)
 
 
 def test_an_escalation_between_a_learner_step_and_its_journal_record_resumes_exactly_once(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from erlay.actors.config import load_config
-from erlay.actors.job.driver import learner_class, learner_options
+from erlay.actors.job.learner_wiring import learner_class, learner_options
 from erlay.actors.learner.options import resolve
 from erlay.actors.learner.rank import Learner
 from erlay.actors.rundir import RunDir
