@@ -13,7 +13,8 @@ import pytest
 # and the typed seams' small types.
 MODULES = ["erlay.supervisor.spec", "erlay.environments.base", "erlay.judges.base",
            "erlay.actors.config", "erlay.actors.journal.rollout_id",
-           "erlay.actors.learner.options", "erlay.actors.control.policy"]
+           "erlay.actors.learner.options", "erlay.actors.control.policy",
+           "erlay.actors.observe.dashboard"]
 
 
 @pytest.mark.parametrize("name", MODULES)

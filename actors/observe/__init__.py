@@ -3,6 +3,7 @@
 - :mod:`.telemetry`: the driver's telemetry hub (OpenTelemetry spans and metrics);
 - :mod:`.metrics`: the same numbers as Ray application metrics, for the dashboard;
 - :mod:`.status`: ``erlay status``, the live tree read through a named endpoint;
+- :mod:`.dashboard`: a cluster's GCS address, found from its Ray dashboard URL;
 - :mod:`.report`: ``erlay report``, Markdown and plots from a run directory;
 - :mod:`.summary`: the run's ``summary.md`` and reward curve, written when the driver ends;
 - :mod:`.attribution`: which fault domain cost the run what time;

@@ -30,6 +30,9 @@ Contracts:
   entry's: a driver that died without a word is shown as ended.
 - Selection never guesses: one running erlay job is shown; several are listed with the
   flag to pass (exit 2).
+- A reader names the cluster by its GCS (``host:port``, ``auto``) or, as ``ray job submit``
+  users do, by its dashboard (``http://HEAD:8265``), whose node summary names the GCS
+  (:mod:`~erlay.actors.observe.dashboard`); either way the reads go to the GCS.
 
 The shell (publisher, GCS reads, :func:`cli_status`) talks to Ray; the decisions (which job
 a reader means, what the view holds, how it renders) are pure functions, below and in
@@ -51,8 +54,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from erlay.actors.config import JobConfig
+from erlay.actors.observe.dashboard import (
+    DashboardError,
+    dashboard_base,
+    is_dashboard_url,
+    locate_gcs,
+)
 from erlay.actors.observe.status_view import (
     PUBLISH_INTERVAL_S,
     render_json,
@@ -420,9 +430,32 @@ def _local_token_auth(address: str) -> None:
         quiet.setLevel(level)
 
 
+def _dashboard_headers(base: str) -> dict[str, str]:
+    """The token header Ray's own job client would send to the dashboard at ``base`` (a
+    loopback one gets this machine's token, as :func:`_local_token_auth` says)."""
+    parts = urlsplit(base)
+    _local_token_auth(f"{parts.hostname}:{parts.port}")
+    try:
+        from ray._private.authentication.http_token_authentication import (
+            get_auth_headers_if_auth_enabled,
+        )
+    except ImportError:
+        return {}
+    return dict(get_auth_headers_if_auth_enabled({}))
+
+
 def _resolve(address: str) -> tuple[str, str]:
     """``(host:port of the GCS, how to name it to the user)``; ``auto`` is the cluster this
-    machine started last, as Ray finds it.  Raises :class:`ClusterGone` if there is none."""
+    machine started last, as Ray finds it; a dashboard URL leads to its cluster's GCS
+    (:mod:`~erlay.actors.observe.dashboard`).  Raises :class:`ClusterGone` if there is none."""
+    if is_dashboard_url(address):
+        try:
+            base = dashboard_base(address)
+            candidates = locate_gcs(base, _dashboard_headers(base))
+        except DashboardError as exc:
+            raise ClusterGone(str(exc)) from exc
+        gcs = next((a for a in candidates if _reachable(a)), candidates[-1])
+        return gcs, f"{gcs} (dashboard {base})"
     if address != "auto":
         return address, address
     from ray._private.services import canonicalize_bootstrap_address

@@ -1,5 +1,6 @@
 """``erlay status`` against a real local Ray with hand-made jobs: this test process is job
 "alpha" (a driver with erlay's job metadata and a publisher), a child process is job "beta".
+The cluster runs Ray's dashboard, so its URL can name it too.
 
 One cluster serves the whole module; the last test stops it under a watching ``erlay status``.
 """
@@ -44,6 +45,7 @@ def doc(run_id: str, name: str, step: int = 3) -> dict[str, Any]:
 @dataclass
 class Alpha:
     address: str
+    dashboard: str    # http://127.0.0.1:PORT
     run_dir: Path
     job_id: str
     publisher: StatusPublisher
@@ -68,13 +70,16 @@ def alpha(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Alpha]:
         ray.shutdown()
     run_dir = tmp_path_factory.mktemp("runs") / "alpha-1"
     run_dir.mkdir()
-    address = ensure_ray(num_cpus=1, include_dashboard=False, metadata=identity_metadata(
-        "alpha", "alpha-1", run_dir, "alpha.yaml"))["address"]
+    address = ensure_ray(num_cpus=1, include_dashboard=True, dashboard_port=0,
+                         metadata=identity_metadata("alpha", "alpha-1", run_dir,
+                                                    "alpha.yaml"))["address"]
+    dashboard = f"http://{ray._private.worker.get_dashboard_url()}"
     publisher = StatusPublisher(lambda: doc("alpha-1", "alpha"), 0.2, run_dir)
     publisher.start()
     wait_for(lambda: publisher.published >= 1, what="alpha's first snapshot")
     try:
-        yield Alpha(address, run_dir, ray.get_runtime_context().get_job_id(), publisher)
+        yield Alpha(address, dashboard, run_dir, ray.get_runtime_context().get_job_id(),
+                    publisher)
     finally:
         publisher.stop()
         if ray.is_initialized():
@@ -136,6 +141,21 @@ def test_the_one_job_is_shown_by_address_or_run_dir_without_joining_the_cluster(
     (job,) = Cluster(alpha.address).jobs()  # the identity, from Ray's job metadata
     assert (job.name, job.run_id, job.run_dir, job.config) == (
         "alpha", "alpha-1", str(alpha.run_dir), "alpha.yaml")
+
+
+def test_a_dashboard_url_shows_the_same_tree_as_the_gcs_address(alpha: Alpha) -> None:
+    """``--address http://HEAD:8265``, as ``ray job submit`` users name a cluster: the
+    dashboard's node summary names the GCS, and the tree is read from there."""
+    before = drivers(alpha.address)
+    by_gcs = erlay_status("--address", alpha.address)
+    by_dashboard = erlay_status("--address", alpha.dashboard)
+    gcs_out, gcs_err = by_gcs.communicate(timeout=60)
+    out, err = by_dashboard.communicate(timeout=60)
+    assert (by_gcs.returncode, by_dashboard.returncode) == (0, 0), gcs_err + err
+    header, tree = out.split("\n\n", 1)
+    assert tree == gcs_out.split("\n\n", 1)[1] and "└─ engine-1" in tree
+    assert f"ray {alpha.address} (dashboard {alpha.dashboard})  job {alpha.job_id}" in header
+    assert drivers(alpha.address) == before  # neither registered a Ray job
 
 
 def test_several_jobs_are_listed_and_watch_ends_with_the_job(
