@@ -46,12 +46,24 @@ its repeats), and ``exposed_ratio``, ``exposed_ratio_immediate`` and ``step_delt
 each the worse size's in a run; ``params_*`` and ``state_mb_*`` are plain numbers;
 ``load_avg_1m`` is the 1-minute load average at the start and the end.
 
+With ``--storage s3`` the run's home is an S3 bucket on a real S3 API server (moto's, on
+loopback, started by the bench; ``tests/s3server.py``): the learner commits each checkpoint
+on local disk and its mirror (:mod:`erlay.actors.storage.mirror`, the shipped default but a
+1 s tick) uploads it in the background while training goes on, so every figure above is
+measured with the uploads running.  ``async_persist_s`` then runs until the checkpoint is
+uploaded too (``wait_checkpoints()`` settles the mirror), and three figures are added:
+``uploaded_mb`` (what the mirror sent in a run), ``upload_lag_s_p50`` and ``upload_lag_s_max``
+(per uploaded file, upload end minus the file's last change: how much a crash of the
+machine at that moment would have lost, in seconds).
+
     python bench/checkpoint.py [--sizes 10M,100M] [--repeats 3] [--runs 3] [--dir /tmp]
+                               [--storage local|s3] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -59,6 +71,7 @@ import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,15 +90,21 @@ SIZES: dict[str, dict[str, int]] = {
             "max_seq_len": 128},
     "100M": {"vocab_size": 8192, "d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 3072,
              "max_seq_len": 128},
+    # CI's smoke size.
+    "1M": {"vocab_size": 1024, "d_model": 128, "n_layers": 2, "n_heads": 2, "d_ff": 256,
+           "max_seq_len": 64},
 }
 TOKENS = 16  # prompt and completion tokens per row
 
 
-def primed_learner(model_config: dict[str, int], checkpoint_dir: Path) -> Learner:
+def primed_learner(model_config: dict[str, int], checkpoint_dir: Path,
+                   remote_url: str | None = None) -> Learner:
     """A learner rank whose AdamW has taken one step, so its moments exist and are not
-    zero; it checkpoints into ``checkpoint_dir`` (keep 2)."""
+    zero; it checkpoints into ``checkpoint_dir`` (keep 2), and with ``remote_url`` its
+    mirror uploads them there (a 1 s tick)."""
     learner = Learner(model_config, seed=0, torch_threads=1,
-                      checkpoint_dir=str(checkpoint_dir), checkpoint_keep=2)
+                      checkpoint_dir=str(checkpoint_dir), checkpoint_keep=2,
+                      remote_url=remote_url, upload_every_s=1.0)
     generator = torch.Generator().manual_seed(1)
     for p in learner.model.parameters():
         p.grad = torch.randn(p.shape, generator=generator) * 1e-3
@@ -132,9 +151,9 @@ def sync_save(state: dict[str, Any], path: Path) -> None:
 
 
 def bench_size(name: str, model_config: dict[str, int], repeats: int, rows: int,
-               workdir: Path) -> dict[str, float]:
-    root = workdir / f"async-{name}"
-    learner = primed_learner(model_config, root)
+               workdir: Path, remote_url: str | None = None) -> dict[str, float]:
+    root = workdir / f"async-{name}" / "checkpoints"   # the mirror uploads checkpoints/
+    learner = primed_learner(model_config, root, remote_url)
     fig: dict[str, list[float]] = {key: [] for key, _ in WHAT}
     size = 0
     for r in range(repeats):
@@ -177,8 +196,14 @@ def bench_size(name: str, model_config: dict[str, int], repeats: int, rows: int,
             fig["async_persist_s"].append(time.perf_counter() - started)
             learner.train_step(batch(learner, rows, 99))  # a new step to save next
             gc.collect()
+        upload = learner.wait_checkpoints().get("upload")
     finally:
         learner.erlay_terminate()
+    if remote_url is not None:
+        assert upload is not None and upload["ok"], upload
+        fig["uploaded_mb"] = [upload["bytes"] / 2**20]
+        fig["upload_lag_s_p50"] = [upload["lag_s_p50"]]
+        fig["upload_lag_s_max"] = [upload["lag_s_max"]]
     info = latest(root)
     assert info is not None and info.step == learner.status()["step"] - 1
     for _ in range(repeats):
@@ -186,7 +211,7 @@ def bench_size(name: str, model_config: dict[str, int], repeats: int, rows: int,
         fig["restore_s"].append(seconds)
         del loaded
         gc.collect()
-    shutil.rmtree(root)
+    shutil.rmtree(root.parent)
     med = {key: statistics.median(values) for key, values in fig.items() if values}
     med["step_delta_s"] = med["step_after_save_s"] - med["step_s"]
     med["exposed_ratio"] = med["exposed_save_s"] / med["sync_save_s"]
@@ -215,6 +240,11 @@ WHAT: list[tuple[str, str]] = [
     ("exposed_ratio_immediate", "immediate_exposed_s / sync_save_s (worst case)"),
     ("step_delta_ratio", "step_delta_s / sync_save_s (noisy)"),
 ]
+UPLOAD: list[tuple[str, str]] = [
+    ("uploaded_mb", "what the learner's mirror uploaded in the run (--storage s3)"),
+    ("upload_lag_s_p50", "per file: upload end - last change (p50)"),
+    ("upload_lag_s_max", "per file: upload end - last change (max: a crash's loss)"),
+]
 WORST_OF_SIZES = ("exposed_ratio", "exposed_ratio_immediate", "step_delta_ratio")
 
 
@@ -225,47 +255,63 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="whole runs (median, min..max)")
     parser.add_argument("--batch-rows", type=int, default=16, help="rows per train step")
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--storage", choices=("local", "s3"), default="local",
+                        help="s3: the run's home is a bucket on moto's S3 server (loopback)")
+    parser.add_argument("--smoke", action="store_true", help="CI's smallest run: the 1M "
+                        "size, 1 repeat, 1 run")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.repeats, args.runs = "1M", 1, 1
     logging.basicConfig(level=logging.WARNING)
     names = args.sizes.split(",")
-    began, load0 = time.perf_counter(), os.getloadavg()[0]
-    runs: list[dict[str, dict[str, float]]] = []
-    for _ in range(args.runs):
-        workdir = Path(tempfile.mkdtemp(prefix="erlay-bench-checkpoint-", dir=args.dir))
-        try:
-            runs.append({name: bench_size(name, SIZES[name], args.repeats, args.batch_rows,
-                                            workdir)
-                         for name in names})
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-    load1 = os.getloadavg()[0]
+    with contextlib.ExitStack() as stack:
+        remote = None
+        if args.storage == "s3":
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from tests.s3server import aws_env, s3_server
+            server = stack.enter_context(s3_server())
+            stack.enter_context(aws_env(server))
+            remote = server.url("bench")
+        began, load0 = time.perf_counter(), os.getloadavg()[0]
+        runs: list[dict[str, dict[str, float]]] = []
+        for i in range(args.runs):
+            workdir = Path(tempfile.mkdtemp(prefix="erlay-bench-checkpoint-", dir=args.dir))
+            try:
+                runs.append({name: bench_size(name, SIZES[name], args.repeats,
+                                              args.batch_rows, workdir,
+                                              f"{remote}/run-{i}-{name}" if remote else None)
+                             for name in names})
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+        load1 = os.getloadavg()[0]
+    what = WHAT + (UPLOAD if args.storage == "s3" else [])
 
     summary: dict[str, Any] = {}
     for name in names:
         summary[f"params_{name}"] = runs[0][name]["params"]
         summary[f"state_mb_{name}"] = round(runs[0][name]["state_mb"], 1)
-        for key, _ in WHAT:
+        for key, _ in what:
             summary[f"{key}_{name}"] = spread([run[name][key] for run in runs], digits=4)
     for key in WORST_OF_SIZES:
         summary[key] = spread([max(run[name][key] for name in names) for run in runs], digits=4)
-    summary.update({"repeats": args.repeats, "runs": args.runs,
+    summary.update({"storage": args.storage, "repeats": args.repeats, "runs": args.runs,
                     "load_avg_1m": [round(load0, 2), round(load1, 2)],
                     "wall_s": round(time.perf_counter() - began, 1)})
 
     print(f"learner state per size ({args.repeats} saves per run, median; {args.runs} runs, "
           f"median (min-max)); torch 1 thread; {args.batch_rows} rows per step; "
-          f"files under {args.dir}; "
+          f"files under {args.dir}; storage {args.storage}; "
           f"1-min load average {load0:.2f} -> {load1:.2f}")
     print(f"{'figure':24}" + "".join(f"{name:>26}" for name in names) + "  what it measures")
     print(f"{'params / state MB':24}" + "".join(
         f"{summary[f'params_{n}'] / 1e6:>16.1f}M / {summary[f'state_mb_{n}']:>6.0f}"
         for n in names) + "  fp32 weights + AdamW moments")
-    for key, what in WHAT:
+    for key, meaning in what:
         cells = []
         for name in names:
             s = summary[f"{key}_{name}"]
             cells.append(f"{s['median']:.4g} ({s['min']:.4g}-{s['max']:.4g})")
-        print(f"{key:24}" + "".join(f"{c:>26}" for c in cells) + f"  {what}")
+        print(f"{key:24}" + "".join(f"{c:>26}" for c in cells) + f"  {meaning}")
     print(json.dumps(summary))
 
 

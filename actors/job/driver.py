@@ -55,7 +55,7 @@ from erlay.actors.observe.summary import plot_rewards, write_summary
 from erlay.actors.observe.telemetry import JobTelemetry
 from erlay.actors.observe.trackers import Trackers
 from erlay.actors.rundir import RunDir
-from erlay.actors.storage.mirror import Mirror, driver_files
+from erlay.actors.storage.mirror import Mirror, driver_files, snapshot_marks
 from erlay.supervisor.errors import ChildStartError, SupervisorFailed, VersionMismatch
 from erlay.supervisor.events import EventKind, FanoutSink, JsonlSink, LoggingSink, SupervisorEvent
 from erlay.supervisor.gcpauses import short_gc_pauses
@@ -440,7 +440,8 @@ class Job:
         self.run_dir.config.write_text(cfg.to_yaml(), encoding="utf-8")
         if self.run_dir.remote is not None:   # the driver's files go to the store too
             self.mirror = Mirror(self.run_dir.path, self.run_dir.remote, driver_files,
-                                 cfg.run.upload_every_s, name="driver mirror").start()
+                                 cfg.run.upload_every_s, name="driver mirror",
+                                 marks=snapshot_marks).start()
         from erlay.actors.observe.status import StatusPublisher, identity_metadata
         ray_info = ensure_ray(cfg.ray.address, num_cpus=cfg.ray.num_cpus,
                               include_dashboard=cfg.ray.include_dashboard,

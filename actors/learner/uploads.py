@@ -22,7 +22,7 @@ from typing import Any
 from erlay.actors.learner.checkpoint.format import TMP_PREFIX, latest, step_dir_name
 from erlay.actors.learner.options import LearnerOptions
 from erlay.actors.storage.fetch import manifests, usable_checkpoints
-from erlay.actors.storage.mirror import Mirror, learner_files
+from erlay.actors.storage.mirror import Mirror, checkpoint_marks, learner_files
 from erlay.actors.storage.remote import StorageError, open_remote
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def start_mirror(o: LearnerOptions) -> Mirror | None:
         return None
     local = Path(o.checkpoint_dir).parent
     return Mirror(local, open_remote(o.remote_url), learner_files, o.upload_every_s,
-                  name="learner mirror").start()
+                  name="learner mirror", marks=checkpoint_marks).start()
 
 
 def settle(mirror: Mirror | None, timeout_s: float) -> dict[str, Any] | None:

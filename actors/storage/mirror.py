@@ -30,10 +30,14 @@ Contracts:
   recorded (:attr:`Mirror.last_error`); the next tick tries again.  :meth:`Mirror.flush`
   is where a caller learns whether everything made it: it waits, with a deadline, for a tick
   that started after it and uploaded everything.
+- **Checkpoints go at once.**  Besides the ticks, a pass starts within
+  :data:`MARK_POLL_S` of a new committed checkpoint (the learner's mirror) or a new journal
+  snapshot, which the coordinator takes with each checkpoint (the driver's): so the bucket
+  soon holds a checkpoint and a journal that reaches it.
 - **What a crash loses.**  A crash of this process's machine loses what changed after the
-  last finished tick: at most ``interval_s`` plus one tick's upload time of journal records
-  and log lines, and the checkpoints committed meanwhile (a resume restores the newest
-  remote one and trains the steps after it again).  :attr:`Mirror.lag_s` records, per
+  last finished pass: at most ``interval_s`` plus one pass's upload time of journal records
+  and log lines, and a checkpoint committed less than one pass ago (a resume restores the
+  newest remote one and trains the steps after it again).  :attr:`Mirror.lag_s` records, per
   uploaded file, how long its newest bytes waited (upload end minus modification time).
 
 May import: erlay.supervisor, erlay.actors.storage.
@@ -60,8 +64,31 @@ CHECKPOINTS = "checkpoints/"
 MANIFEST = "manifest.json"
 _JOURNAL_FILE = re.compile(r"^journal/(segment|snapshot)-(\d+)\.(log|snap)$")
 _CHECKPOINT_FILE = re.compile(r"^checkpoints/(step-\d+)/(.+)$")
+MARK_POLL_S = 0.5
 # Written and renamed into place, or held open by one writer: never uploaded.
 _TRANSIENT = re.compile(r"(^|/)(\.[^/]*|[^/]*\.(tmp|part)|LOCK)(/|$)")
+
+
+def _names(directory: Path, pattern: re.Pattern[str]) -> frozenset[str]:
+    try:
+        return frozenset(n for n in os.listdir(directory) if pattern.match(n))
+    except FileNotFoundError:
+        return frozenset()
+
+
+_STEP_DIR = re.compile(r"^step-\d+$")
+_SNAPSHOT = re.compile(r"^snapshot-\d+\.snap$")
+
+
+def checkpoint_marks(root: Path) -> frozenset[str]:
+    """The committed checkpoints under ``root``: a new one is uploaded at once."""
+    return _names(root / "checkpoints", _STEP_DIR)
+
+
+def snapshot_marks(root: Path) -> frozenset[str]:
+    """The journal's snapshots under ``root`` (one per checkpoint): a new one is uploaded at
+    once, so the remote journal reaches the checkpoint that names it."""
+    return _names(root / "journal", _SNAPSHOT)
 
 
 def driver_files(rel: str) -> bool:
@@ -163,9 +190,14 @@ class Mirror:
     resumed run does not upload what it downloaded), on the thread."""
 
     def __init__(self, local: Path, remote: Remote, select: Callable[[str], bool],
-                 interval_s: float = 5.0, name: str = "mirror") -> None:
+                 interval_s: float = 5.0, name: str = "mirror",
+                 marks: Callable[[Path], frozenset[str]] | None = None) -> None:
         self.local, self.remote, self.select = Path(local), remote, select
         self.interval_s = interval_s
+        # What starts a pass at once, between the ticks: a new checkpoint, a new journal
+        # snapshot (checkpoint_marks, snapshot_marks), looked at every MARK_POLL_S.
+        self.marks = marks
+        self._marked: frozenset[str] = frozenset()
         self.name = name
         self.uploaded: dict[str, FileState] = {}
         self.last_error: str | None = None
@@ -227,12 +259,25 @@ class Mirror:
     def _present(self) -> frozenset[str]:
         return frozenset(d for d in ("journal", "checkpoints") if (self.local / d).is_dir())
 
+    def _marked_now(self) -> bool:
+        """Whether a mark appeared since the last pass (and remember it)."""
+        if self.marks is None:
+            return False
+        now = self.marks(self.local)
+        fresh = bool(now - self._marked)
+        self._marked = now
+        return fresh
+
     def _loop(self) -> None:
         first = True   # the first pass at once: the config is remote before the first step
         while True:
             with self._cond:
-                if not first and not self._stop and self._wanted == self._done:
-                    self._cond.wait(self.interval_s)
+                due = time.monotonic() + (0.0 if first else self.interval_s)
+                while not self._stop and self._wanted == self._done:
+                    left = due - time.monotonic()
+                    if left <= 0 or self._marked_now():
+                        break
+                    self._cond.wait(min(left, MARK_POLL_S) if self.marks else left)
                 first = False
                 if self._stop and self._wanted == self._done:
                     return

@@ -172,71 +172,44 @@ def test_resume_after_sigkill_of_the_driver_matches_an_uninterrupted_run(
 def test_a_run_on_s3_resumes_on_a_fresh_machine_after_its_driver_is_killed(
         tmp_path: Path, reference: Path) -> None:
     """The run's home is an S3 bucket (moto's server on loopback); its driver is SIGKILLed
-    mid-run and its local working copy deleted (the head machine is gone).  ``--resume
-    s3://...`` on a fresh staging directory fetches the run, restores the newest checkpoint
-    the remote journal reaches and finishes; the run then matches an uninterrupted one, and
-    ``erlay verify``, ``export`` and ``report`` work from the bucket alone."""
-    import shutil
-
-    from erlay.actors.storage.fetch import manifests, usable_checkpoints
+    mid-run, once the bucket holds a checkpoint, and its local working copy deleted (the head
+    machine is gone).  ``--resume s3://...`` on a fresh staging directory fetches the run,
+    restores the newest checkpoint the remote journal reaches and finishes; the run then
+    matches an uninterrupted one, and ``erlay verify``, ``export`` and ``report`` work from
+    the bucket alone.  The kill, the resume and the verify are ``bench/storage.py``'s own
+    trial (its CI smoke run: tests/test_bench_storage.py)."""
+    from bench.storage import trial
+    from erlay.actors.storage.fetch import fetch_run
     from erlay.actors.storage.remote import open_remote
-    from tests.s3server import s3_server
+    from tests.s3server import aws_env, s3_server
 
-    with s3_server() as s3:
+    with s3_server() as s3, aws_env(s3):
         env = {**os.environ, **s3.env()}
-        head = tmp_path / "head"
+        got = trial(s3, tmp_path, DRIVER_ARGS[1:-1], every=0.5, kill_at=3, checkpointed=True)
+        assert got["resumed_ok"] and got["verified_ok"], got
+        assert got["steps_retrained"] <= 3, got   # from the checkpoint the bucket held
+        url = got["url"]
 
-        def checkpoint_uploaded() -> str | None:
-            for run in head.glob("arithmetic-*"):
-                remote = open_remote(s3.url("runs", run.name))
-                listing = remote.listing()
-                if usable_checkpoints(listing, manifests(remote, listing), with_journal=True
-                                      ) and RunDir(run).rl_steps()[-1]["step"] >= 3:
-                    return run.name
-            return None
-        os.environ.update(s3.env())   # this process reads the bucket too
-        try:
-            name = kill_driver_mid_run([f"run.storage={s3.url('runs')}",
-                                        f"run.staging={head}", "run.upload_every_s=0.5"],
-                                       checkpoint_uploaded, env)
-            assert isinstance(name, str)
-            url = s3.url("runs", name)
-            shutil.rmtree(head)   # the head machine and its disk are gone
-
-            resumed = subprocess.run(
-                [sys.executable, "-m", "erlay.supervisor.cli", "run", "--resume", url,
-                 f"run.staging={tmp_path / 'new-head'}", "--no-progress"],
-                cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
-            assert resumed.returncode == 0, resumed.stderr[-3000:]
-            assert "resuming from the checkpoint of step" in resumed.stdout, resumed.stdout
-            assert f"finished: {STEPS} steps trained; {url}" in resumed.stdout
-
-            # Everything below reads the bucket only.
-            copy = tmp_path / "copy"
-            from erlay.actors.storage.fetch import fetch_run
-            fetch_run(open_remote(url), copy, checkpoint="none")
-            got, want = RunDir(copy).rl_steps(), RunDir(reference).rl_steps()
-            assert [m["step"] for m in got] == list(range(STEPS))
-            assert [m["reward_mean"] for m in got] == [m["reward_mean"] for m in want]
-            assert consumed(copy) == consumed(reference)
-            check_exactly_once(consumed(copy), STEPS, 32)
-            verified = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "verify",
-                                       url], cwd=ROOT, capture_output=True, text=True,
-                                      timeout=120, env=env)
-            assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
-            exported = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "export",
-                                       url, s3.url("exports", name)], cwd=ROOT,
-                                      capture_output=True, text=True, timeout=120, env=env)
-            assert exported.returncode == 0, exported.stderr[-3000:]
-            assert "model.safetensors" in open_remote(s3.url("exports", name)).listing()
-            report = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "report",
-                                     url], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=120, env=env)
-            assert report.returncode == 0, report.stderr[-3000:]
-            assert open_remote(url).exists("report/report.md")
-        finally:
-            for key in s3.env():
-                os.environ.pop(key, None)
+        # Everything below reads the bucket only.
+        copy = tmp_path / "copy"
+        fetch_run(open_remote(url), copy, checkpoint="none")
+        steps, want = RunDir(copy).rl_steps(), RunDir(reference).rl_steps()
+        assert [m["step"] for m in steps] == list(range(STEPS))
+        assert [m["reward_mean"] for m in steps] == [m["reward_mean"] for m in want]
+        assert consumed(copy) == consumed(reference)
+        check_exactly_once(consumed(copy), STEPS, 32)
+        assert "status: **finished**" in (copy / "summary.md").read_text()
+        name = url.rsplit("/", 1)[1]
+        exported = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "export",
+                                   url, s3.url("exports", name)], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=120, env=env)
+        assert exported.returncode == 0, exported.stderr[-3000:]
+        assert "model.safetensors" in open_remote(s3.url("exports", name)).listing()
+        report = subprocess.run([sys.executable, "-m", "erlay.supervisor.cli", "report", url],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env=env)
+        assert report.returncode == 0, report.stderr[-3000:]
+        assert open_remote(url).exists("report/report.md")
 
 
 def test_an_escalation_between_a_learner_step_and_its_journal_record_resumes_exactly_once(

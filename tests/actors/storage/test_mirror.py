@@ -124,3 +124,28 @@ def test_a_flush_against_a_store_that_refuses_fails_in_time_with_the_cause(
     mirror = Mirror(tmp_path, missing, driver_files, interval_s=0.2).start()
     done = mirror.close(3)
     assert not done.ok and "bucket" in (done.error or "").lower(), done
+
+
+def test_a_new_checkpoint_is_uploaded_at_once_not_at_the_next_tick(
+        tmp_path: Path, s3: S3) -> None:
+    """A 60 s tick: without the mark, the checkpoint would wait a minute (planted: the same
+    mirror without marks leaves it local)."""
+    import time
+
+    from erlay.actors.storage.mirror import checkpoint_marks
+    for marks, name in ((checkpoint_marks, "marked"), (None, "unmarked")):
+        local = tmp_path / name
+        local.mkdir()
+        remote = open_remote(s3.url("marks-test", name))
+        mirror = Mirror(local, remote, learner_files, interval_s=60.0, marks=marks).start()
+        time.sleep(0.3)   # the first pass, of nothing
+        step = local / "checkpoints" / "step-00000003"
+        step.mkdir(parents=True)
+        (step / "state.pt").write_bytes(b"w" * 10)
+        (step / "manifest.json").write_text("{}")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not remote.exists(
+                "checkpoints/step-00000003/manifest.json"):
+            time.sleep(0.1)
+        assert remote.exists("checkpoints/step-00000003/manifest.json") == (marks is not None)
+        mirror.close(10)
