@@ -143,7 +143,9 @@ def test_a_new_checkpoint_is_uploaded_at_once_not_at_the_next_tick(
         step.mkdir(parents=True)
         (step / "state.pt").write_bytes(b"w" * 10)
         (step / "manifest.json").write_text("{}")
-        deadline = time.monotonic() + 5
+        # A marked pass starts within 0.5 s; the unmarked mirror is given 2 s to show it
+        # would not have uploaded it.
+        deadline = time.monotonic() + 2
         while time.monotonic() < deadline and not remote.exists(
                 "checkpoints/step-00000003/manifest.json"):
             time.sleep(0.1)
