@@ -591,8 +591,9 @@ class MegatronLearner:
         if self._checkpointer is not None:
             self._failed_saves.settle(self._checkpointer.wait)
         from erlay.actors.learner.uploads import settle
-        return {"committed": self.status()["committed"], "failed": self._failed_saves.take(),
-                "upload": settle(self._mirror, self.options.upload_timeout_s)}
+        answer = {"committed": self.status()["committed"], "failed": self._failed_saves.take()}
+        upload = settle(self._mirror, self.options.upload_timeout_s)
+        return answer if upload is None else {**answer, "upload": upload}
 
     def checkpoint_writer(self) -> dict[str, int] | None:
         """``{"step", "pid"}`` of the checkpoint worker writing a save, as the replicated

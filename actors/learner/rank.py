@@ -247,12 +247,15 @@ class Learner(LearnerCore):
         """Block until no save is in flight (a stuck one: until its worker has made no progress
         for ``checkpoint_deadline_s`` and is killed); ``{committed, failed}``: the newest
         committed step (or None) and the saves that failed since the last answer, as
-        :meth:`save_checkpoint` gives them.  fsdp2: a collective, every rank calls it."""
+        :meth:`save_checkpoint` gives them; with remote storage, rank 0 also waits (at most
+        ``upload_timeout_s``) for its mirror and adds ``upload`` (:func:`settle`'s answer).
+        fsdp2: a collective, every rank calls it."""
         if self._checkpointer is not None:
             self._failed_saves.settle(self._checkpointer.wait)
         info = latest(self.checkpoint_dir) if self.checkpoint_dir else None
-        return {"committed": info.step if info else None, "failed": self._failed_saves.take(),
-                "upload": settle(self._mirror, self.options.upload_timeout_s)}
+        answer = {"committed": info.step if info else None, "failed": self._failed_saves.take()}
+        upload = settle(self._mirror, self.options.upload_timeout_s)
+        return answer if upload is None else {**answer, "upload": upload}
 
     def checkpoint_writer(self) -> dict[str, int] | None:
         """``{"step": N, "pid": P}`` while this rank's checkpoint worker process ``P`` is
