@@ -155,19 +155,39 @@ class Injector:
 
     # ----------------------------------------------------------------- injectors
     def wait_for_phase(self, path: str, phase: str, timeout_s: float = 3.0) -> bool:
-        """Wait until ``path``, or a child it hosts, holds work in ``phase`` (the tree's
-        snapshot shows each child's phase), so a fault lands mid-work; False if that did not
-        happen within ``timeout_s``."""
+        """Wait until ``path``, or a child it hosts, holds work in ``phase``, so a fault lands
+        mid-work; False if that did not happen within ``timeout_s``.
+
+        An actor child is asked itself (its ``_erlay_progress``, what its supervisor's
+        heartbeat reads), every 10 ms: the tree's snapshot shows the phase its supervisor
+        last heard, up to a heartbeat old, and a decode step shorter than that is missed
+        there.  A host, or a child it hosts, is read from the snapshot."""
         assert self.job.tree is not None
         deadline = time.monotonic() + timeout_s
+        below_host = _hosted(path) is not None or path.rsplit("/", 1)[-1].startswith("host@")
+        actor = None if below_host else self._actor(path)
         while time.monotonic() < deadline:
             try:
-                if _holds_phase(self.job.tree.snapshot(timeout=5), path, phase):
+                if actor is not None:
+                    live = ray.get(actor._erlay_progress.remote(), timeout=1.0)
+                    if live and live.get("phase") == phase:
+                        return True
+                elif _holds_phase(self.job.tree.snapshot(timeout=5), path, phase):
                     return True
             except Exception:  # noqa: BLE001 - restarting: keep waiting
                 pass
             time.sleep(0.01)
         return False
+
+    def _actor(self, path: str) -> Any:
+        """The Ray actor of the actor child at ``path``, or None (a host's subtree, a child
+        between incarnations, an in-process child)."""
+        assert self.job.tree is not None
+        try:
+            actor = self.job.tree.ref(path).actor
+        except Exception:  # noqa: BLE001 - not an actor child now: the snapshot decides
+            return None
+        return actor if hasattr(actor, "_erlay_progress") else None
 
     def signal(self, kind: str, pattern: str, *, stop_s: float | None = None,
                expect: str = "restart", during: str | None = None,

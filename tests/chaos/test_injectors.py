@@ -74,3 +74,33 @@ def test_a_sandbox_attack_goes_through_the_jobs_named_hook() -> None:
     with pytest.raises(LookupError):
         idle.sandbox_attack("fork_bomb", "pass")
     assert idle.records == []
+
+
+def test_an_actor_child_is_asked_its_phase_not_read_from_a_stale_snapshot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The snapshot shows the phase the supervisor last heard, up to a heartbeat old: a
+    decode step shorter than that never shows there (the engine-kill-replay smoke scenario
+    then killed nothing before its fast job ended).  The child itself says it is in it."""
+    monkeypatch.setattr(ray, "get_runtime_context", _no_ray)
+    asked: list[str] = []
+
+    class _Progress:
+        def remote(self) -> str:
+            asked.append("progress")
+            return "ref"
+
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: {"counter": 3,
+                                                               "phase": "train_step"})
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        tree = _Tree(proc.pid, None)   # the snapshot: no work seen
+        actor = SimpleNamespace(_erlay_progress=_Progress())
+        tree.ref = lambda path: SimpleNamespace(  # type: ignore[method-assign]
+            process=SimpleNamespace(info=tree.info), actor=actor)
+        injector = Injector(SimpleNamespace(tree=tree))  # type: ignore[arg-type]
+        record = injector.signal("sigkill", "erlay/learner", during="train_step")
+        assert proc.wait(timeout=10) == -9
+        assert asked and "outside" not in record.detail, record.detail
+    finally:
+        proc.kill()
+        proc.wait()
