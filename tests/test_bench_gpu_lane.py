@@ -109,3 +109,19 @@ def test_every_shipped_wheel_is_pinned() -> None:
     proc = subprocess.run([sys.executable, str(LANE), "--print-wheels"], capture_output=True,
                           text=True, check=True)
     assert proc.stdout.split() == list(lane.WHEELS)
+
+
+def test_run_sh_without_cuda_says_gpu_false_and_exits_0(tmp_path: Path) -> None:
+    """`bash bench/gpu/run.sh` as written, on a machine without a GPU (this one): nothing is
+    measured and nothing failed.  The refusal is for a missing GPU only: the tests above run
+    the same lane's phases with ``--device cpu``."""
+    env = {k: v for k, v in os.environ.items() if k != lane.ALLOW_ENV}
+    env.update(PYTHON=sys.executable, OUT=str(tmp_path), TMPDIR=str(tmp_path),
+               ERLAY_LANE_SITE=str(tmp_path / "site"))
+    done = subprocess.run(["bash", str(REPO / "bench" / "gpu" / "run.sh")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert json.loads(lines[-1]) == {"gpu": False}, lines[-3:]
+    assert "lane: no GPU present" in done.stdout
+    assert not (tmp_path / "gpu_lane.json").exists()

@@ -496,6 +496,15 @@ def lane(args: argparse.Namespace) -> int:
     return 0 if not errors else 1
 
 
+def cuda_present() -> bool:
+    """Whether torch sees a CUDA device (False where torch itself is missing)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def gpu_name() -> str | None:
     try:
         import torch
@@ -543,6 +552,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device.startswith("cpu") and args.size is None:
         args.size = "tiny"
+    if args.device.startswith("cuda") and not args.phase and not cuda_present():
+        # The GPU lane on a machine without one: nothing to measure, and nothing failed.
+        print("lane: no GPU present (torch sees no CUDA device); nothing measured")
+        print(json.dumps({"gpu": False}))
+        return 0
     if args.plant_failure:
         os.environ[PLANT_ENV] = args.plant_failure
     return child(args) if args.phase else lane(args)

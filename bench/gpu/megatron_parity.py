@@ -221,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="run on the CPU with megatron's CUDA calls patched: checks this "
                         "script's wiring here (patch_for_cpu_check); not a GPU figure")
     args = parser.parse_args(argv)
-    import torch
+    try:
+        import torch
+    except ImportError:   # no torch, so no GPU to measure on: said as for a CPU machine
+        print("megatron_parity: torch is not installed; nothing measured")
+        print(json.dumps({"gpu": False}))
+        return 0
     device = "cpu" if args.cpu_check else "cuda"
     size = args.size or ("tiny" if args.cpu_check else "gpu")
     if not args.cpu_check and not torch.cuda.is_available():

@@ -6,7 +6,9 @@
 # under one deadline, after the megatron parity check (below).  The lane writes one JSON file
 # of figures ($OUT/gpu_lane.json when $OUT is set) and prints the same JSON as its last stdout
 # line; the exit status is the lane's (1 when a phase failed: its figures are null and its
-# error is in the JSON), or the parity check's when the lane passed.
+# error is in the JSON), or the parity check's when the lane passed.  On a machine where torch
+# sees no CUDA device both say so, print {"gpu": false} and exit 0: nothing was measured, and
+# nothing failed (tests/test_bench_gpu_lane.py runs it so here).
 #
 #     bash bench/gpu/run.sh                                  # on the device machine
 #     bash bench/gpu/run.sh --device cpu --size tiny         # the same wiring, here
