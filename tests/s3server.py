@@ -6,14 +6,17 @@ credentials are refused as AWS refuses them.
 first few calls are let through unauthenticated to do that, ``INITIAL_NO_AUTH_ACTION_COUNT``)
 and a bucket, and yields an :class:`S3` whose :meth:`S3.env` is what a process needs to use
 it (the standard AWS variables).  The server stops on exit, and dies with the process that
-started it (it is in that process's session, and killed on exit).
+started it even when that one is SIGKILLed (a parent-death signal), so no test leaves one
+behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +43,12 @@ class S3:
         return "/".join([f"s3://{self.bucket}", *parts])
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL it when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1: PR_SET_PDEATHSIG
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,7 +61,7 @@ def s3_server(bucket: str = "erlay-test", timeout_s: float = 30.0) -> Iterator[S
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
