@@ -56,6 +56,7 @@ from erlay.supervisor.pidwatch import exit_beacons
 from erlay.supervisor.progress import Progress, ProgressSnapshot
 from erlay.supervisor.reason import KILLED, SHUTDOWN, ExitKind, ExitReason, from_exception
 from erlay.supervisor.runtime import ChildProcess, StartContext, cancel_safe
+from erlay.supervisor.spares import SparePool
 from erlay.supervisor.spec import (
     DEFAULT_LIVENESS,
     ActorStart,
@@ -74,7 +75,8 @@ _CLASSES: dict[type, Any] = {}
 def _actor_info() -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {"kind": "actor", "pid": os.getpid(), "node_id": ctx.get_node_id(),
-            "actor_id": ctx.get_actor_id(), "exit_tids": exit_beacons()}
+            "actor_id": ctx.get_actor_id(), "actor_name": ctx.get_actor_name(),
+            "exit_tids": exit_beacons()}
 
 
 def _snapshot(obj: Any) -> dict[str, Any] | None:
@@ -220,7 +222,10 @@ def _tree_repr(self: Any) -> str:
         name = ray.get_runtime_context().get_actor_name() or type(self).__name__
     except Exception:  # noqa: BLE001 - outside an actor (a plain instance in a test)
         name = type(self).__name__
-    return f"{name} running inc={getattr(self, '_erlay_incarnation', 0)}"
+    incarnation = getattr(self, "_erlay_incarnation", 0)
+    if incarnation == 0:   # a warm spare (erlay.supervisor.spares): Ray takes this once
+        return f"{name} built as a spare (erlay status: the child it serves)"
+    return f"{name} running inc={incarnation}"
 
 
 async def _get(ref: Any) -> Any:
@@ -269,7 +274,7 @@ class ActorProcess:
                  quarantine_timeout_s: float, probe_interval_s: float) -> None:
         self.handle = handle
         self.ctx = ctx
-        self.info = {**info, "actor_name": ctx.path}
+        self.info = {**info, "actor_name": info.get("actor_name") or ctx.path}
         self._monitor = handle._erlay_monitor.remote()
         self._forced: ExitReason | None = None
         self._quarantine_timeout_s = quarantine_timeout_s
@@ -487,7 +492,8 @@ async def _create(remote_cls: Any, opts: dict[str, Any], args: tuple[Any, ...],
 
 def _creation(spec: ActorStart, path: str, incarnation: int, args: tuple[Any, ...]
               ) -> tuple[Any, dict[str, Any], tuple[Any, ...], dict[str, Any]]:
-    """What ``_create`` needs for one incarnation of the actor child at ``path``."""
+    """What ``_create`` needs for one incarnation of the actor child at ``path`` (or, with
+    incarnation 0, for a spare named ``path``)."""
     remote_cls = supervised_class(spec.cls)
     opts = {"num_cpus": 0, **spec.options, "max_restarts": 0, "name": path}
     if isinstance(opts.get("scheduling_strategy"), PreferNode):
@@ -507,13 +513,36 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
     actors at once and asks each for ``erlay_ready`` (Ray queues the call behind the
     constructor), and a boot start of the same path (incarnation 1) then adopts the actor
     and awaits that same answer; the second kills whatever the boot never reached.
+
+    It also owns the tree's warm spares (``ActorStart.spares``; ``spares``, a
+    :class:`~erlay.supervisor.spares.SparePool`): a restart adopts one when it can, and every
+    start of such a child refills the pool (at once after the first start, ``spare_delay_s``
+    after an adoption).  The tree calls ``spares.discard()`` when it closes.
     """
     # path -> (actor, its pending _erlay_ready) created at the tree's boot, not yet started
     ahead: dict[str, tuple[Any, Any]] = {}
 
+    async def create_spare(spec: ActorStart, name: str) -> tuple[Any, Any]:
+        handle = await _create(*_creation(spec, name, 0, ()))
+        return handle, handle._erlay_ready.remote()
+
+    spares = SparePool(create_spare)
+
     async def start(ctx: StartContext) -> ChildProcess:
         start_spec = ctx.spec.start
         assert isinstance(start_spec, ActorStart)
+        timeout_s = start_spec.ready_timeout_s or ready_timeout_s
+        supervisor = ctx.path.rsplit("/", 1)[0]
+        spare = None
+        if start_spec.spares and ctx.incarnation > 1 and not ctx.args:
+            spare = await spares.take(supervisor, start_spec, timeout_s)
+        if spare is not None:
+            log.info("%s: adopted spare %s (built %.1f s ago)", ctx.path, spare.name,
+                     spare.age_s)
+            proc = ActorProcess(spare.handle, ctx, spare.info, quarantine_timeout_s,
+                                probe_interval_s)
+            spares.fill(supervisor, start_spec, delay_s=start_spec.spare_delay_s)
+            return proc
         adopted = ahead.pop(ctx.path, None) if ctx.incarnation == 1 and not ctx.args \
             else None
         if adopted is None:
@@ -521,7 +550,6 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
             ready = handle._erlay_ready.remote()
         else:
             handle, ready = adopted
-        timeout_s = start_spec.ready_timeout_s or ready_timeout_s
         try:
             info = await asyncio.wait_for(_get(ready), timeout_s)
         except BaseException as exc:  # noqa: BLE001 - cancelled too: never leak the actor
@@ -533,6 +561,9 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
         proc = ActorProcess(handle, ctx, info, quarantine_timeout_s, probe_interval_s)
         if getattr(start_spec.cls, "_erlay_event_source", False):
             proc.start_event_pump()
+        if start_spec.spares and not ctx.args:
+            spares.fill(supervisor, start_spec,
+                        delay_s=0.0 if ctx.incarnation == 1 else start_spec.spare_delay_s)
         return proc
 
     cancel_safe(start)   # its ready wait kills the actor on any exit, cancellation included
@@ -561,6 +592,7 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
 
     start.launch_ahead = launch_ahead  # type: ignore[attr-defined]
     start.discard_ahead = discard_ahead  # type: ignore[attr-defined]
+    start.spares = spares  # type: ignore[attr-defined]
     return start
 
 

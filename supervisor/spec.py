@@ -136,6 +136,13 @@ class ActorStart(StartSpec):
     ``ready_timeout_s`` counts from then).  Set it only when the constructor and ready hook
     need nothing from the children started before it; a boot that fails first kills the
     actors created ahead.  Restarts never create ahead.
+
+    ``spares`` (a deviation from OTP, 0 by default): keep that many actors of this spec
+    built and ready beside the child, under its supervisor; a restart of any child of the
+    supervisor with an equal spec adopts one instead of building a new actor, and the pool is
+    refilled ``spare_delay_s`` later (:mod:`erlay.supervisor.spares`).  Only for a class that
+    does not need its tree path (``_erlay_wants_path``: a spare does not know which child it
+    will serve) and a child started without dynamic arguments.
     """
 
     cls: type
@@ -144,10 +151,20 @@ class ActorStart(StartSpec):
     options: Mapping[str, Any] = field(default_factory=dict)
     ready_timeout_s: float | None = None
     boot_ahead: bool = False
+    spares: int = 0
+    spare_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.cls, type):
             raise InvalidSpec("start.cls", self.cls, "a class")
+        if isinstance(self.spares, bool) or not isinstance(self.spares, int) \
+                or self.spares < 0:
+            raise InvalidSpec("start.spares", self.spares, "an integer >= 0")
+        if self.spares and getattr(self.cls, "_erlay_wants_path", False):
+            raise InvalidSpec("start.spares", self.spares,
+                              "0 for a class that needs its tree path (a host)")
+        if not self.spare_delay_s >= 0:
+            raise InvalidSpec("start.spare_delay_s", self.spare_delay_s, "seconds >= 0")
         if self.ready_timeout_s is not None and not self.ready_timeout_s > 0:
             raise InvalidSpec("start.ready_timeout_s", self.ready_timeout_s, "a number > 0")
         if self.options.get("max_restarts", 0) != 0:

@@ -32,6 +32,7 @@ from erlay.supervisor.runtime import (
     Supervisor,
     cancel_safe,
 )
+from erlay.supervisor.spares import SparePool
 from erlay.supervisor.spec import (
     ActorStart,
     ChildSpec,
@@ -148,6 +149,11 @@ class SupervisionTree:
         coordinator's clients) is cancelled and awaited first, so none is destroyed pending
         and no coroutine is left never awaited; then the loop stops and is closed."""
         self.keeper.close()
+        spares = self.spares
+        if spares is not None:   # ActorStart.spares: none outlives the tree
+            killed = self._on_loop(spares.discard)
+            if killed:
+                log.info("%s: killed its warm spares %s", self.name, ", ".join(killed))
         if self._loop.is_running():
             try:
                 asyncio.run_coroutine_threadsafe(_cancel_all(), self._loop).result(15)
@@ -157,6 +163,21 @@ class SupervisionTree:
             self._thread.join(timeout=10)
         if not self._loop.is_running() and not self._loop.is_closed():
             self._loop.close()
+
+    def _on_loop(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the tree's loop if it runs (bounded), else here."""
+        if not self._loop.is_running():
+            return fn()
+
+        async def call() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(15)
+
+    @property
+    def spares(self) -> SparePool | None:
+        """The tree's warm spares (``ActorStart.spares``), read-only: for status and benches."""
+        return getattr(self._starters.get(ActorStart), "spares", None)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

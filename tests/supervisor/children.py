@@ -69,6 +69,19 @@ class Echo:
         raise RuntimeError("injected")
 
 
+class BuildsSlowly:
+    """An actor whose constructor takes ``delay_s``; ``pid`` names its process (so a test can
+    tell which actor serves a child)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        import time
+        time.sleep(delay_s)
+
+    def pid(self) -> int:
+        import os
+        return os.getpid()
+
+
 class FaultPoint:
     """A child whose ``hit`` passes the failpoint ``point``: an actor or in-process child."""
 
