@@ -214,11 +214,18 @@ class EngineSection(Section):
     update_timeout_s: float = Field(300.0, gt=0, description="deadline of one weight update "
                                     "call into an engine")
     restart_delay_s: float = Field(2.0, ge=0, allow_inf_nan=False, description="seconds "
-                                   "from an engine's failure to the start of its replacement, "
-                                   "in a job of more than one engine: its rollouts fail over "
-                                   "first, without the replacement's start-up taking the "
-                                   "node's CPUs "
+                                   "from an engine's failure to the start of a new engine "
+                                   "process, in a job of more than one engine: its rollouts "
+                                   "fail over first, without the start-up taking the node's "
+                                   "CPUs.  With spares, a restart adopts a spare at once and "
+                                   "this delays the new spare instead "
                                    "(0 = at once; one engine restarts at once)")
+    spares: int | None = Field(None, ge=0, description="warm spare engines, built and ready "
+                               "beside the generation domain (one pool for all engines): a "
+                               "failed engine's restart adopts one instead of starting a new "
+                               "process, and a new spare is built after restart_delay_s.  "
+                               "null: 1 for the torch engine, 0 for vllm (a spare vLLM engine "
+                               "holds its own memory and GPUs)")
     spec_k: int = Field(0, ge=0, description="torch engine: tokens drafted per step by the MTP "
                         "heads and verified in one pass (0 = no speculation)")
     spec_max_concurrency: int = Field(0, ge=0, description="speculate only while at most "

@@ -50,11 +50,14 @@ Contracts:
 
 from __future__ import annotations
 
+import time
+
+_IMPORTS_STARTED = time.time()   # the engine's own imports (torch, the model): BootTimeline
+
 import asyncio
 import dataclasses
 import gc
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -74,7 +77,14 @@ from erlay.actors.engine.api import (
     WeightsMismatch,
     drain_chunks,
 )
-from erlay.actors.engine.core import DecodeBatch, Sequence, drafts_for_step, validate_request
+from erlay.actors.engine.boot import BootTimeline, process_started
+from erlay.actors.engine.core import (
+    DecodeBatch,
+    Sequence,
+    drafts_for_step,
+    run_to_completion,
+    validate_request,
+)
 from erlay.actors.engine.kv_saver import KVHandoff
 from erlay.actors.engine.tail import TailWindow
 from erlay.actors.model.build import Policy, build_policy, load_engine_state
@@ -84,6 +94,7 @@ from erlay.supervisor.progress import Progress
 from erlay.supervisor.reason import ExitKind, ExitReason
 
 log = logging.getLogger("erlay.engine")
+_IMPORTS_DONE = time.time()
 
 
 @dataclass
@@ -144,6 +155,16 @@ def _handoff(model: Policy, options: dict[str, Any] | None, slots: int) -> KVHan
         return None
 
 
+def warm_up(model: Policy) -> None:
+    """One throwaway request (a prefill and a few decode steps): the first forward of a new
+    process allocates and initialises what every later one reuses, and that belongs in the
+    engine's start-up, not in the first rollout it serves.  Sampling is a pure function of
+    each request's seed and positions, so this changes nothing any request produces."""
+    prompt = tuple(range(1, min(4, model.cfg.max_seq_len - 2) + 1))
+    run_to_completion(model, [GenerationRequest("warm-up", prompt, max_new_tokens=2, seed=0,
+                                                 stop_ids=())])
+
+
 def _load(model: Policy, state: dict[str, Any]) -> None:
     arrays = {k: np.asarray(v) for k, v in state.items()}
     # Arrays from the Ray object store are read-only, and torch warns on wrapping those.
@@ -176,6 +197,12 @@ class TorchEngine:
         self.spec_k, self.spec_max_concurrency = spec_k, spec_max_concurrency
         self.spec_verify, self.spec_draft = spec_verify, spec_draft
         self._tail = TailWindow()
+        self.boot = BootTimeline()
+        if (started := process_started()) is not None:
+            self.boot.mark("process_started", started)
+        self.boot.mark("imports_started", _IMPORTS_STARTED)
+        self.boot.mark("imports_done", _IMPORTS_DONE)
+        self.boot.mark("init_started")
         # Explicit, because the engine shares a couple of cores with everything else.
         torch.set_num_threads(torch_threads)
         self.model = build_policy(model_config, seed=seed, for_engine=True).eval()
@@ -183,6 +210,9 @@ class TorchEngine:
         if initial_state is not None:
             check_state(self.model, initial_state)
             _load(self.model, initial_state)
+        self.boot.mark("model_built")
+        warm_up(self.model)   # DecodeBatch runs under inference mode itself
+        self.boot.mark("warmed")
         self.max_batch = max_batch
         self.progress = Progress()
         self._version = int(version)
@@ -270,6 +300,10 @@ class TorchEngine:
     async def version(self) -> int:
         return self._version
 
+    async def boot_timeline(self) -> dict[str, float]:
+        """This process's :class:`~erlay.actors.engine.boot.BootTimeline` marks so far."""
+        return self.boot.to_dict()
+
     async def tail_report(self) -> dict[str, Any]:
         """The generation-length tail and the concurrency during it, since the last call
         (see :class:`erlay.actors.engine.tail.TailWindow`); the window starts afresh."""
@@ -326,6 +360,7 @@ class TorchEngine:
         stream = _Stream(Sequence(request)) if queue is None else \
             _Stream(Sequence(request), queue=queue)
         stream.timing = {"received": time.monotonic()}
+        self.boot.mark("first_request")
         if request.trace:
             stream.span = telemetry.start_span(
                 "engine.generate", parent=request.trace, request_id=request.request_id,
@@ -390,6 +425,7 @@ class TorchEngine:
         await afailpoint("generation.decode_step")
         began = time.monotonic()
         if admitted:
+            self.boot.mark("first_admitted")
             self._stamp(admitted, "admitted")
             await asyncio.to_thread(self._admit, admitted)
             self._stamp(admitted, "prefilled")
@@ -472,6 +508,7 @@ class TorchEngine:
             raise
         self._version = version
         self._counters.weight_updates += 1
+        self.boot.mark("first_weights")
         if self._handoff is not None:
             self._handoff.weights_loaded(version)
         # Prefill the running requests again under the new weights (module docstring).

@@ -98,12 +98,23 @@ def _live(specs: list[ChildSpec], domain: DomainFlags) -> list[ChildSpec]:
     return [dataclasses.replace(spec, liveness=liveness) for spec in specs]
 
 
-def engine_restart_delay(cfg: JobConfig) -> float:
-    """The engines' ``restart_delay_s``: ``engine.restart_delay_s`` in a job of more than one
-    engine.  A failed engine's replacement starts late because its start-up (imports, model
-    load, warm-up) would slow the failover of its rollouts to the others; a lone engine has
-    no one to fail over to, so it restarts at once."""
-    return cfg.engine.restart_delay_s if cfg.engine.num_engines > 1 else 0.0
+def engine_spares(cfg: JobConfig) -> int:
+    """Warm spare engines (``engine.spares``; unset: 1 for the torch engine, 0 for vLLM)."""
+    if cfg.engine.spares is not None:
+        return cfg.engine.spares
+    return 1 if cfg.engine.backend == "torch" else 0
+
+
+def engine_restart_delay(cfg: JobConfig) -> tuple[float, float]:
+    """The engines' ``(restart_delay_s, spare_delay_s)``.
+
+    A new engine process starts ``engine.restart_delay_s`` after a failure in a job of more
+    than one engine, because its start-up (imports, model build, warm-up) would slow the
+    failover of the failed engine's rollouts to the others; a lone engine has no one to fail
+    over to, so it restarts at once.  With spares the restart adopts one at once (nothing
+    starts on its critical path) and the delay moves to the new spare's start."""
+    delay = cfg.engine.restart_delay_s if cfg.engine.num_engines > 1 else 0.0
+    return (0.0, delay) if engine_spares(cfg) else (delay, 0.0)
 
 
 def step_line(record: dict[str, Any], total: int) -> str:
@@ -274,9 +285,12 @@ class Job:
             return shape
         return dict(self.plan.spec)
 
-    def _engine_start(self, model: dict[str, Any], opts: dict[str, Any]) -> ActorStart:
-        """The start spec of one generation engine of the configured backend."""
+    def _engine_start(self, model: dict[str, Any], opts: dict[str, Any],
+                      spare_delay_s: float) -> ActorStart:
+        """The start spec of one generation engine of the configured backend (every engine's
+        is equal, so they share the warm spares)."""
         cfg = self.cfg
+        spares = dict(spares=engine_spares(cfg), spare_delay_s=spare_delay_s)
         if cfg.engine.backend == "vllm":
             from erlay.actors.engine.vllm_engine import VllmEngine
             vllm = cfg.engine.vllm
@@ -289,7 +303,7 @@ class Job:
                 speculative_config=vllm.speculative_config, engine_args=dict(vllm.engine_args),
                 rpc_timeout_s=vllm.rpc_timeout_s, torch_threads=cfg.engine.torch_threads),
                 options=options, ready_timeout_s=vllm.start_timeout_s,
-                boot_ahead=cfg.supervision.boot_ahead)
+                boot_ahead=cfg.supervision.boot_ahead, **spares)
         from erlay.actors.engine.torch_engine import TorchEngine
         return ActorStart(TorchEngine, args=(model,), kwargs=dict(
             max_batch=cfg.engine.max_batch, torch_threads=cfg.engine.torch_threads,
@@ -297,7 +311,7 @@ class Job:
             spec_max_concurrency=cfg.engine.spec_max_concurrency,
             spec_verify=cfg.engine.spec_verify, spec_draft=cfg.engine.spec_draft,
             kv_handoff=self._handoff_options()),
-            options=opts, boot_ahead=cfg.supervision.boot_ahead)
+            options=opts, boot_ahead=cfg.supervision.boot_ahead, **spares)
 
     def handoff_dir(self) -> HandoffDir | None:
         """The run's node-local KV hand-off directory (torch engine with engine.kv_handoff)."""
@@ -335,8 +349,8 @@ class Job:
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
-        restart_delay_s = engine_restart_delay(cfg)
-        engines = [ChildSpec(f"engine-{i}", self._engine_start(model, opts),
+        restart_delay_s, spare_delay_s = engine_restart_delay(cfg)
+        engines = [ChildSpec(f"engine-{i}", self._engine_start(model, opts, spare_delay_s),
                              deadlines={"decode_step": cfg.engine.decode_deadline_s},
                              shutdown=15.0 if cfg.engine.backend == "vllm" else None,
                              restart_delay_s=restart_delay_s)

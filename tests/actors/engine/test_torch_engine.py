@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from erlay.actors.engine.api import GenerationRequest, TokenChunk
+from erlay.actors.engine.boot import STAGES as BOOT_STAGES
 from erlay.actors.engine.core import run_to_completion
 from erlay.actors.engine.torch_engine import TorchEngine
 from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
@@ -105,6 +106,19 @@ def test_the_first_chunk_alone_carries_the_engines_timing_in_order(engine: Child
     assert timing is not None and list(timing) == ["received", "admitted", "prefilled", "sent"]
     assert timing["received"] <= timing["admitted"] <= timing["prefilled"] <= timing["sent"]
     assert all(c.timing is None for c in chunks[1:])
+
+
+def test_the_boot_timeline_marks_every_stage_once_and_in_order(engine: ChildRef) -> None:
+    """bench/engine_restart.py splits a restart by these marks: each must be there, in the
+    order the engine passes them, and a later request must not move a first."""
+    import ray
+    serve(engine, BASE)
+    collect(engine.generate.remote(request("boot-1", 3).to_dict()))
+    marks = ray.get(engine.boot_timeline.remote())
+    assert list(marks) == list(BOOT_STAGES)
+    assert [marks[s] for s in BOOT_STAGES] == sorted(marks[s] for s in BOOT_STAGES)
+    collect(engine.generate.remote(request("boot-2", 3).to_dict()))
+    assert ray.get(engine.boot_timeline.remote()) == marks
 
 
 def test_abort_ends_the_stream_with_finish_reason_abort(engine: ChildRef) -> None:

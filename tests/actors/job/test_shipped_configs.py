@@ -54,13 +54,20 @@ def test_the_gpu_config_without_its_model_is_one_line_and_exit_2(
 
 
 def test_engines_restart_late_only_when_another_engine_serves() -> None:
-    from erlay.actors.job.driver import engine_restart_delay
+    """(restart delay, spare delay): without spares a new engine starts late when another
+    serves meanwhile; with spares the adoption is at once and the new spare starts late."""
+    from erlay.actors.job.driver import engine_restart_delay, engine_spares
 
     two = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=2"])
-    assert engine_restart_delay(two) == two.engine.restart_delay_s == 2.0
-    one = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=1"])
-    assert engine_restart_delay(one) == 0.0
+    assert engine_spares(two) == 1 and two.engine.restart_delay_s == 2.0
+    assert engine_restart_delay(two) == (0.0, 2.0)
+    bare = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=2", "engine.spares=0"])
+    assert engine_spares(bare) == 0 and engine_restart_delay(bare) == (2.0, 0.0)
+    one = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=1", "engine.spares=0"])
+    assert engine_restart_delay(one) == (0.0, 0.0)
     off = load_config(CONFIGS / "cpu.yaml", ["engine.num_engines=2", "engine.restart_delay_s=0"])
-    assert engine_restart_delay(off) == 0.0
+    assert engine_restart_delay(off) == (0.0, 0.0)
+    vllm = load_config(CONFIGS / "vllm.yaml", ["engine.num_engines=2"])
+    assert engine_spares(vllm) == 0 and engine_restart_delay(vllm) == (2.0, 0.0)
     with pytest.raises(ConfigError, match="restart_delay_s"):
         load_config(CONFIGS / "cpu.yaml", ["engine.restart_delay_s=-1"])
