@@ -15,9 +15,16 @@ with erlay's local recovery.  Prints the report table, then one JSON object as t
 - ``recovery_ms_p50``, ``recovery_ms_p99``: injection until the target child served again
 
     python bench/chaos_goodput.py [--scenario mixed-soak] [--runs 3]
+    python bench/chaos_goodput.py --smoke   # the smallest size (CI)
 
 With ``--runs N`` the scenario and its baselines run N times; the last line then holds the
 counts summed over the runs and each ratio and rate as median/min/max/runs.
+
+``--smoke`` (:func:`smoke_scenario`) runs the scenario's job once, on a real local Ray, at
+the smallest size (``SMOKE_OVERRIDES``), with only its first fault, fired once at RL step 1,
+and without the baselines (the runner's CI smoke mode: each baseline is another whole job),
+so the goodput ratios are null.  It exits 1 if the job did not finish or the fault was not
+injected; its figures say nothing about the targets.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any
 from erlay.chaos.records import lost_rollouts, trained_twice
 from erlay.chaos.report import percentiles
 from erlay.chaos.runner import ChaosResult, run_scenario
-from erlay.chaos.scenario import load_scenario
+from erlay.chaos.scenario import Scenario, load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +81,22 @@ def _round(value: Any, digits: int = 3) -> Any:
     return round(value, digits) if isinstance(value, float) else value
 
 
+# The smallest job that still trains: a checkpoint every step, two RL steps after the fault.
+SMOKE_OVERRIDES = ("run.steps=3", "warm_start.steps=1", "rollout.prompts_per_step=2",
+                   "rollout.group_size=2", "checkpoint.every_steps=1",
+                   "environment.workers_per_node=1", "sandbox.workers_per_node=1")
+
+
+def smoke_scenario(scenario: Scenario) -> Scenario:
+    """``scenario`` at the smallest size: its overrides plus ``SMOKE_OVERRIDES``, its first
+    fault fired once at RL step 1 (validated again, like a scenario file), no baselines."""
+    data = scenario.model_dump(by_alias=True)
+    fault = {**data["faults"][0], "at": None, "every": None, "start": None, "random": None,
+             "count": None, "at_step": 1}
+    return Scenario.model_validate({**data, "overrides": [*data["overrides"], *SMOKE_OVERRIDES],
+                                    "faults": [fault], "baselines": [], "duration_s": 60.0})
+
+
 TARGETS = {"rollouts_lost": "0", "trained_twice": "0", "orphans": "0",
            "goodput_vs_fault_free": ">= 0.90", "goodput_vs_job_restart": ">= 2"}
 # Figures summed over the runs (a count that must be 0 in every run), and those reported as
@@ -107,13 +130,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1,
                         help="invocations of the scenario and its baselines (medians with "
                         "their spread when more than one)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size (CI): one run of the job alone, tiny, with "
+                        "the scenario's first fault at RL step 1")
     args = parser.parse_args()
     logging.getLogger("erlay").setLevel(logging.ERROR)
     scenario = load_scenario(args.scenario)
+    if args.smoke:
+        scenario, args.runs = smoke_scenario(scenario), 1
     runs, loads = [], [round(os.getloadavg()[0], 2)]
     for i in range(args.runs):
         parent = Path(tempfile.mkdtemp(prefix="erlay-chaos-bench-"))
-        result = run_scenario(scenario, parent=parent,
+        result = run_scenario(scenario, parent=parent, with_baselines=not args.smoke,
                               say=lambda line: print(line, flush=True))
         runs.append(figures(result))
         loads.append(round(os.getloadavg()[0], 2))
@@ -123,6 +151,8 @@ def main() -> None:
             print(f"{key:28s} {value!s:>12}  {TARGETS.get(key, '')}")
     if args.runs == 1:
         print(json.dumps(runs[0]))
+        if args.smoke and (runs[0]["status"] != "finished" or not runs[0]["faults_injected"]):
+            sys.exit(1)   # nothing size-dependent: the job or the injection is broken
         return
     out = combine(runs, loads)
     print(f"\nover {args.runs} runs (load average at start and after each: {loads})")

@@ -24,6 +24,11 @@ the runs; ``decode_ratio_min`` / ``_max`` are the extreme round ratios of all ru
 names what each figure measures, then one JSON object as the last line.
 
     python bench/failpoints.py [--iterations 10000000] [--repeats 5] [--rounds 8] [--runs 3]
+    python bench/failpoints.py --smoke   # the smallest size (CI): every path once, in seconds
+
+``--smoke`` is ``--iterations 100000 --repeats 1 --rounds 1 --requests 4 --new-tokens 8
+--runs 1`` (options given explicitly win): its figures are noise, only its wiring is
+checked.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import inspect
 import json
 import os
 import statistics
+import sys
 import textwrap
 import time
 import types
@@ -181,6 +187,9 @@ async def macro(rounds: int, n: int, new_tokens: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- main
+SMOKE = ("--iterations", "100000", "--repeats", "1", "--rounds", "1", "--requests", "4",
+         "--new-tokens", "8", "--runs", "1")
+
 
 def one_run(args: argparse.Namespace) -> tuple[dict[str, float], list[float]]:
     """One run's figures (the JSON keys) and its per-round decode time ratios."""
@@ -210,7 +219,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=80)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size (CI): " + " ".join(SMOKE))
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])   # explicit options win
 
     began, load0 = time.perf_counter(), os.getloadavg()[0]
     runs = [one_run(args) for _ in range(args.runs)]
@@ -220,7 +233,7 @@ def main() -> None:
     out: dict[str, Any] = {}
     for key in figures[0]:
         digits = 6 if key == "failpoint_share_of_step" else 4 if "ratio" in key else 2
-        out[key] = spread([f[key] for f in figures], digits)
+        out[key] = spread([f[key] for f in figures], digits=digits)
     out.update({"decode_ratio_min": round(min(rounds), 4),
                 "decode_ratio_max": round(max(rounds), 4),
                 "iterations": args.iterations, "repeats": args.repeats,

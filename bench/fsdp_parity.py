@@ -15,14 +15,29 @@ difference of ~1e-10 in ``g`` (the ranks sum the batch in two halves) into ~1e-2
 device bytes while a rank shards.  ``perturb`` plants a violation: the last
 rank adds it to every parameter before the step, as a rank that drifted from its peers
 would, so the check must then fail.  Used by the tests and by ``bench/learner_scale.py``.
+
+Run as a script, it checks a random-initialised Llama-architecture HF model (``--hidden``,
+``--layers``, ``--ffn``; the sizes of ``bench/learner_scale.py``) on ``--world`` ranks,
+prints a table, then one JSON object as the last line: ``{"max_abs_diff", "equivalent",
+"grad_norm": {"whole", "fsdp2"}, "bytes": [per rank], "params", "world", "perturb"}``.  The
+exit status is 0 when the verdict is the expected one (equivalent, or not with
+``--perturb``), 1 otherwise.  ``--smoke`` is ``--hidden 64 --layers 2 --ffn 128`` (options
+given explicitly win).
+
+    python bench/fsdp_parity.py [--hidden 256] [--layers 4] [--ffn 1024] [--world 2]
+                                [--perturb 0] [--smoke]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
 import pickle
 import random
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -232,3 +247,49 @@ def vocab_of(spec: dict[str, Any]) -> int:
         from erlay.actors.model.hf import load_hf_config, resolve_model
         return int(load_hf_config(resolve_model(spec["hf"])).vocab_size)
     return int(spec["vocab_size"])
+
+
+SMOKE = ("--hidden", "64", "--layers", "2", "--ffn", "128")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--world", type=int, default=2, help="fsdp2 ranks")
+    parser.add_argument("--perturb", type=float, default=0.0,
+                        help="plant a drift on the last rank (equivalent must be false)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size (CI): " + " ".join(SMOKE))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        # Explicit options win over the smoke sizes.
+        args = parser.parse_args([*SMOKE, *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.WARNING)
+    from erlay.actors.model.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_model(tmp, "llama", hidden=args.hidden, layers=args.layers,
+                                heads=args.heads, ffn=args.ffn, max_positions=64)
+        spec = {"hf": str(path), "dtype": "float32"}
+        result = run_parity(spec, world=args.world, perturb=args.perturb)
+    # fp32: the ranks' shards together hold every parameter once.
+    params = sum(held["param_bytes"] for held in result["bytes"]) // 4
+    expected = args.perturb == 0
+    norms = result["grad_norm"]
+    print(f"model: {params:,} parameters (fp32), {args.world} fsdp2 ranks against one whole "
+          f"learner, one GRPO step (lr 1e-4); perturb {args.perturb:g}")
+    print(f"{'max_abs_diff':<16}{result['max_abs_diff']:>14.3g}  tolerance {TOLERANCE:g}")
+    print(f"{'grad_norm':<16}{norms['whole']:>14.6g}  whole; {norms['fsdp2']:.6g} fsdp2")
+    for rank, held in enumerate(result["bytes"]):
+        print(f"{f'rank {rank} bytes':<16}" + ", ".join(f"{k} {v:,}" for k, v in held.items()))
+    print(f"equivalent: {result['equivalent']} (expected {expected})")
+    print(json.dumps({**result, "params": params, "world": args.world,
+                      "perturb": args.perturb}))
+    sys.exit(0 if result["equivalent"] is expected else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -46,9 +46,19 @@ A global deadline (``--deadline``, 400 s on GPU) bounds the run: a measurement i
 is reported as null, and a watchdog prints the JSON line 40 s later even if cleanup hangs,
 so a GPU run ends within 8 minutes, imports included.
 
+``--smoke`` is the smallest run (CI's).  With a GPU, every phase above at the smallest
+batches (``--deadline`` 240 s).  Without one, vLLM's engine phases do not run (on a CPU a
+vLLM engine alone starts in tens of seconds; ``--cpu`` runs them all, in minutes): it says so
+on stderr and checks the part that needs no engine (:func:`planted_model_check`): the
+planted-rule model the engines would serve (the CPU model), written as their GPT-2
+directory, read back by transformers, must predict the planted successor at every position
+of every cycle prompt.  Its table, then ``{"gpu": false, ...}`` last; exit 0 when that
+holds, 1 otherwise.
+
     python bench/gpu_vllm.py            # GPU if torch sees one, else the CPU smoke run
     python bench/gpu_vllm.py --cpu      # tiny model, few tokens: checks the script here
     python bench/gpu_vllm.py --temperature 0 --spec-k 4 --deadline 400 [--cuda-graphs]
+    python bench/gpu_vllm.py --smoke    # the smallest run: GPU phases, or the model check
 """
 
 from __future__ import annotations
@@ -118,15 +128,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
         return Plan("cpu", CPU_MODEL, args.deadline or 900.0, batch=8, new_tokens=48,
                     resume_batch=4, resume_tokens=60, kill_after=6, period=8,
                     spec_k=args.spec_k, temperature=args.temperature)
+    sizes: dict[str, int] = dict(batch=64, new_tokens=256, resume_batch=16, resume_tokens=256,
+                                 kill_after=16)
+    if args.smoke:
+        sizes = dict(batch=4, new_tokens=32, resume_batch=2, resume_tokens=32, kill_after=4)
     # Three engines share the GPU (two plain, one speculative): a quarter of its memory and
     # a third of Ray's GPU each, so a restarted engine fits before its old memory is freed.
     engine_args: dict[str, Any] = {"dtype": "bfloat16", "gpu_memory_utilization": 0.25}
     if args.cuda_graphs:
         engine_args["enforce_eager"] = False
     # The GPU's name is read after the run: asking now would open a CUDA context here.
-    return Plan("cuda", GPU_MODEL, args.deadline or 400.0,
-                batch=64, new_tokens=256, resume_batch=16, resume_tokens=256, kill_after=16,
-                period=16, spec_k=args.spec_k, temperature=args.temperature,
+    return Plan("cuda", GPU_MODEL, args.deadline or (240.0 if args.smoke else 400.0),
+                **sizes, period=16, spec_k=args.spec_k, temperature=args.temperature,
                 engine_args=engine_args,
                 actor_options={"num_gpus": 0.3}, ready_timeout_s=240.0)
 
@@ -572,6 +585,53 @@ class Report:
             return reasons
 
 
+def planted_model_check(model: dict[str, int], period: int, reps: int = 5
+                        ) -> dict[str, Any]:
+    """The smoke run without a GPU: :func:`cycling_state`'s model, written as the GPT-2
+    directory the engines serve (``write_model_dir``) and read back by transformers; one
+    forward pass over cycle prompts (every cycle of the vocabulary, ``reps`` times each).
+    Counts the positions whose most likely next token is not the planted successor, and the
+    smallest probability the model gives that successor (the rule claims all but ~e^-40)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from erlay.actors.model.hf_export import write_model_dir
+
+    state = cycling_state(model, period, SEED)
+    vocab = model["vocab_size"]
+    prompts = torch.tensor([cycle_prompt(i, period, vocab, reps)
+                            for i in range(vocab // period)])
+    with tempfile.TemporaryDirectory(prefix="erlay-bench-model-") as model_dir:
+        write_model_dir(model_dir, model, state)
+        hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            probs = torch.softmax(hf(prompts).logits.double(), dim=-1)
+    wanted = torch.from_numpy(successor(prompts.numpy(), period))
+    off = int((probs.argmax(-1) != wanted).sum())
+    return {"model_params": int(sum(v.size for v in state.values())),
+            "planted_positions": int(wanted.numel()), "planted_off_model_positions": off,
+            "planted_min_prob": float(probs.gather(-1, wanted[..., None]).min())}
+
+
+def smoke_without_gpu(started: float) -> int:
+    """``--smoke`` where torch sees no GPU (module docstring): the model check alone."""
+    print("gpu_vllm: no GPU present (torch sees no CUDA device): vLLM's engine phases not "
+          "run (--cpu runs them on the CPU, in minutes); checking the planted model only",
+          file=sys.stderr)
+    out: dict[str, Any] = {"gpu": False, "device": "cpu", "model": CPU_MODEL, "period": 8,
+                           **planted_model_check(CPU_MODEL, 8)}
+    out["passed"] = out["planted_off_model_positions"] == 0
+    out["wall_s"] = round(time.perf_counter() - started, 1)
+    print(f"{'figure':30s} {'measured':>12}")
+    for key in ("model_params", "planted_positions", "planted_off_model_positions",
+                "planted_min_prob"):
+        print(f"{key:30s} {out[key]!s:>12}")
+    print("PASSED (the planted model only: no engine ran)" if out["passed"] else
+          "FAILED: the planted model does not follow its rule")
+    print(json.dumps(out), flush=True)
+    return 0 if out["passed"] else 1
+
+
 def main() -> None:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -583,8 +643,16 @@ def main() -> None:
                         help="sampling temperature of every request (0: greedy)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="enforce_eager=False on GPU (slower starts, faster decode)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run (CI): with a GPU every phase at the smallest "
+                        "batches; without one, the planted model's check only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.smoke:
+        import torch
+
+        if args.cpu or not torch.cuda.is_available():
+            sys.exit(smoke_without_gpu(started))
     plan = make_plan(args)
     budget = Budget(plan.deadline_s, started)
     out: dict[str, Any] = {

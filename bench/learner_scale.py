@@ -36,6 +36,10 @@ Prints a table, then one JSON object as the last line:
 timing of the step, which this benchmark does not report.
 
     python bench/learner_scale.py [--hidden 256] [--layers 4] [--ffn 1024] [--perturb 0]
+    python bench/learner_scale.py --smoke [--perturb 0]   # the smallest size (CI, tests)
+
+``--smoke`` is ``--hidden 64 --layers 2 --ffn 128`` (options given explicitly win): the same
+figures of a tiny model.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from fsdp_parity import (  # bench/ is on sys.path when run as a script
 )
 
 KEYS = ("param_bytes", "grad_bytes", "optim_bytes")
+SMOKE = ("--hidden", "64", "--layers", "2", "--ffn", "128")
 
 
 def per_rank_max(ranks: list[dict[str, int]]) -> dict[str, int]:
@@ -113,7 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--perturb", type=float, default=0.0,
                         help="plant a drift on the last rank (equivalent must be false)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size (CI): " + " ".join(SMOKE))
     args = parser.parse_args(argv)
+    if args.smoke:
+        # Explicit options win over the smoke sizes.
+        args = parser.parse_args([*SMOKE, *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.WARNING)
     result = measure(args.hidden, args.layers, args.ffn, args.heads, args.perturb)
     print(table(result))

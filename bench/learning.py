@@ -3,6 +3,13 @@
 Prints a table, then one JSON object as the last line.
 
     python bench/learning.py [--config configs/cpu.yaml] [override ...]
+    python bench/learning.py --smoke   # the smallest size (CI)
+
+``--smoke`` runs the main job alone, to completion on a real local Ray, at the smallest size
+(``SMOKE_OVERRIDES``: two RL steps of two groups of two, one warm-start step, one
+environment worker; overrides given after it win): the built-in job, the tool-use job and the
+telemetry pairs are skipped (each is another whole job, most of whose time is the start of
+its actors).  Its figures say nothing about the targets.
 
 Then runs the same task on the built-in model (``--builtin-config``, default
 ``configs/cpu-builtin.yaml``) and reports its figures as ``builtin_*`` with the ratios
@@ -130,6 +137,9 @@ def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
     }
 
 
+SMOKE_OVERRIDES = ["run.steps=2", "warm_start.steps=1", "rollout.prompts_per_step=2",
+                   "rollout.group_size=2", "learner.lr_decay_steps=0",
+                   "environment.workers_per_node=1"]
 OVERHEAD_OVERRIDES = ["run.steps=60", "warm_start.steps=60", "learner.lr_decay_steps=0"]
 TELEMETRY_OFF = ["telemetry.exporter=none", "telemetry.ray_metrics=false"]
 
@@ -168,8 +178,13 @@ def main() -> None:
                         "for the HF/built-in ratios ('' skips it)")
     parser.add_argument("--overhead-pairs", type=int, default=3,
                         help="off/on job pairs for telemetry_overhead (0: skip)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size (CI): the main job alone, two tiny RL steps")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.smoke:
+        args.builtin_config, args.skip_tool_use, args.overhead_pairs = "", True, 0
+        args.overrides = [*SMOKE_OVERRIDES, *args.overrides]
     logging.getLogger("erlay").setLevel(logging.ERROR)
     parent = Path(tempfile.mkdtemp(prefix="erlay-bench-"))
     result, run_dir = run_job(Path(args.config), args.overrides, parent, "learning")

@@ -5,7 +5,13 @@ Prints a table, then one JSON object as the last line.
 
     python bench/loop_lag.py [--runs 3] [--steps 40] [--freeze-s 20] [override ...]
     python bench/loop_lag.py --plant-in-driver      # must fail: see below
-    python bench/loop_lag.py --quick                # CI's smoke size: 1 run of each, 3 steps
+    python bench/loop_lag.py --quick                # 1 run of each, 3 steps (the tests' size)
+    python bench/loop_lag.py --smoke                # CI's smoke size: 1 frozen_env run
+
+``--smoke`` runs the frozen_env job alone, at the ``--quick`` size with no warm start and a
+2 s freeze against a 1 s environment-call deadline.  The default run is the same job and
+probe without the freeze: the smoke leaves out its figures (``loop_lag_p99_ms``,
+``loop_lag_max_ms``), not any of the bench's code, and takes half the time.
 
 What it measures.  The supervision tree's event loop (``SupervisionTree.loop``, where every
 supervisor decides, judges heartbeats and restarts children) gets a probe once the tree is
@@ -62,6 +68,10 @@ from runstats import spread  # bench/ (a script's own folder is on sys.path)
 ROOT = Path(__file__).resolve().parents[1]
 PERIOD_S = 0.010
 TARGET_MS = 50.0
+# --smoke: no warm start, and a 1 s call deadline that the 2 s freeze outlasts.  The
+# rollouts keep their shipped size: at 4 x 2 a step the run's environment calls were over
+# before the first RL step was reported, and the freeze, armed then, never landed.
+SMOKE_OVERRIDES = ["warm_start.steps=0", "plugins.timeout_s=1"]
 
 
 @dataclass
@@ -123,7 +133,9 @@ def arm_freeze(tree: SupervisionTree, job: Job, freeze_s: float) -> None:
 def run_once(mode: str, args: argparse.Namespace, parent: Path, n: int) -> dict[str, Any]:
     """One job with the probe; ``mode`` is ``default``, ``frozen_env`` or ``planted``."""
     overrides = [f"run.steps={args.steps}", f"run.storage={parent}", *args.overrides]
-    if args.quick:
+    if args.smoke:
+        overrides += SMOKE_OVERRIDES
+    elif args.quick:
         overrides += ["warm_start.steps=5", "plugins.timeout_s=3"]
     cfg = load_config(Path(args.config), overrides)
     job = Job(cfg, RunDir.create(parent, f"{mode}-{n}"))
@@ -173,15 +185,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--freeze-s", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="1 run of each, 3 RL steps")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's smoke size: one frozen_env run, smaller than --quick")
     parser.add_argument("--plant-in-driver", action="store_true",
                         help="freeze a driver thread instead: the run must fail")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.runs, args.steps, args.freeze_s = 1, 3, 4.0
+    if args.quick or args.smoke:
+        args.runs, args.steps, args.freeze_s = 1, 3, (2.0 if args.smoke else 4.0)
     logging.getLogger("erlay").setLevel(logging.ERROR)
     parent = Path(tempfile.mkdtemp(prefix="erlay-looplag-"))
-    modes = ["planted"] if args.plant_in_driver else ["default", "frozen_env"]
+    modes = ["planted"] if args.plant_in_driver else \
+        ["frozen_env"] if args.smoke else ["default", "frozen_env"]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for n in range(args.runs):   # interleaved, so drift in the machine's speed hits both
         for mode in modes:

@@ -51,6 +51,11 @@ JSON as ``step_profile_ms``.
 
     python bench/mtp.py [--model hf|builtin] [--train-steps 400] [--batch 64] [--repeats 3]
                         [--runs 5] [--draft argmax|sample] [--profile]
+    python bench/mtp.py --smoke   # the smallest size (CI): every path once, in seconds
+
+``--smoke`` is ``--train-steps 2 --batch 4 --repeats 1 --runs 1 --max-k 1 --profile``, the
+profile over one decode instead of five (options given explicitly win): an untrained model,
+so its figures are noise (the target is not judged); only its wiring is checked.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -270,6 +276,10 @@ def speculation_scope(max_concurrency: int) -> str:
         f"while <= {max_concurrency} requests run"
 
 
+SMOKE = ("--train-steps", "2", "--batch", "4", "--repeats", "1", "--runs", "1", "--max-k", "1",
+         "--profile")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--train-steps", type=int, default=400)
@@ -289,7 +299,11 @@ def main() -> None:
                         help="also print where a tail step's time goes (plain and best k)")
     parser.add_argument("--model", choices=("hf", "builtin"), default="hf",
                         help="hf: the CPU default's tiny Qwen2 shape; builtin: PolicyModel")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size (CI): " + " ".join(SMOKE))
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])   # explicit options win
     torch.set_num_threads(args.threads)
     began, load0 = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as workdir:
@@ -373,7 +387,8 @@ def main() -> None:
         "bench_wall_s": round(time.perf_counter() - began, 1),
     }
     if args.profile:
-        profile = {k: profile_steps(args, model, sampled, k) for k in (0, best)}
+        profile = {k: profile_steps(args, model, sampled, k, repeats=1 if args.smoke else 5)
+                   for k in (0, best)}
         print(f"tail step profile, wall ms per step (k=0: plain; k={best}: verification)")
         for phase in profile[best]:
             print(f"  {phase:>14} {profile[0].get(phase, 0.0):>8.3f} {profile[best][phase]:>8.3f}")

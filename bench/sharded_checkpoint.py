@@ -22,7 +22,9 @@ A figure per repeat is the maximum over the ranks (the slowest rank holds the ot
 next collective).  Printed: a table, then as the last line one JSON object with each figure's
 median, min and max over the repeats, and ``exposed_ratio`` = median exposed / median sync.
 
-Usage: ``python bench/sharded_checkpoint.py [--repeats 5] [--width 1024] [--layers 10]``.
+Usage: ``python bench/sharded_checkpoint.py [--repeats 5] [--width 1024] [--layers 10]``;
+``--smoke`` is CI's smoke size (``--repeats 1 --width 64 --layers 2``: the same 2 ranks,
+per-layer sharding, warm-up saves and sync save, on 8k parameters).
 """
 
 from __future__ import annotations
@@ -140,7 +142,11 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     parser.add_argument("--rank", type=int, default=None)
     parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's smoke size: --repeats 1 --width 64 --layers 2")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.width, args.layers = 1, 64, 2
     if args.rank is not None:
         rank_main(args)
         return

@@ -41,11 +41,21 @@ is a miss.
   (misses + 1)`` (docs/supervision.md, "Failure detection").  A p99 over the bound, or a
   run under the floor, fails the bench after its table, naming the figure.
 
-    python bench/supervision.py [--quick] [--runs 5] [--scale 4,16] [--pairs 7]
+    python bench/supervision.py [--quick | --smoke] [--runs 5] [--scale 4,16] [--pairs 7]
                                 [--frozen-runs 3,5] [--plant-no-kill FIGURE]
     python bench/supervision.py --only calls [--pairs 7]    # the call figures alone, ~30 s
     python bench/supervision.py --only frozen [--frozen-runs 3,5] [--frozen-kinds host,actor]
                                 [--frozen-phase F] [--plant-no-liveness]  # alone, ~3 min
+    python bench/supervision.py --smoke [--only calls|frozen]   # CI's smoke size
+
+``--smoke`` is each part once at its smallest: 1 start pair at the shipped shape (no
+warm-up pair, no other N), 1 restart trial (3 hosted), 1 call pair of 2 blocks of 10 calls
+per shape, 1 idle window of 1 s (1 s after the tree is up, not 3).  The frozen figures are
+left out of the whole run's smoke (``--frozen-runs 0,0``): ``bench/supervision_frozen.py
+--smoke`` (``--only frozen --smoke``) runs them, 1 SIGSTOP per kind at 1 s x 3 only, half a
+period after a heartbeat answer (``--frozen-phase 0.5``: the middle of the documented range,
+as the tests run it); a figure outside its range still fails.  Options given explicitly win
+over the smoke sizes.
 
 ``--plant-no-kill hosted_restart_ms`` (or another restart figure) skips that kill: the run
 must then fail, naming the figure whose child never answered with a new incarnation.
@@ -489,11 +499,11 @@ def _thread_cpu(native_id: int | None) -> float:
     return 0.0
 
 
-def bench_idle_cpu(windows: int, seconds: float) -> tuple[list[dict[str, float]],
-                                                           list[dict[str, float]]]:
-    """Windows with Ray alone, then with the job's tree idle: learner and engine stand-ins
-    (actor children with the job's deadlines) and the shipped hosts and workers, every child
-    with the default heartbeat."""
+def bench_idle_cpu(windows: int, seconds: float, settle_s: float = 3.0
+                   ) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """Windows with Ray alone, then with the job's tree idle (``settle_s`` after it is up):
+    learner and engine stand-ins (actor children with the job's deadlines) and the shipped
+    hosts and workers, every child with the default heartbeat."""
     import ray
     baseline = idle_windows(windows, seconds, set(), None)
     units = [sup("learner", ChildSpec("learner-0", ActorStart(Target),
@@ -508,7 +518,7 @@ def bench_idle_cpu(windows: int, seconds: float) -> tuple[list[dict[str, float]]
               for p in ("bidle/learner/learner-0", "bidle/generation/engine-0")}
     actors |= {ray.get(tree.ref(f"bidle/{d.name}/host@node-0").ping.remote())
                for d in shipped_domains()}
-    time.sleep(3)
+    time.sleep(settle_s)
     with_tree = idle_windows(windows, seconds, actors, tree.thread_native_id)
     tree.stop()
     return baseline, with_tree
@@ -518,6 +528,9 @@ def bench_idle_cpu(windows: int, seconds: float) -> tuple[list[dict[str, float]]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer runs and trials")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's smoke size: each part once, at its smallest (the "
+                        "frozen figures only with --only frozen)")
     parser.add_argument("--runs", type=int, help="start runs at the shipped shape (default 5)")
     parser.add_argument("--scale", help="workers per domain for start_ratio_by_n "
                         "(components N = 2 x this), default 4,16")
@@ -525,9 +538,9 @@ def main(argv: list[str] | None = None) -> None:
                         "hosted ones 3 x this)")
     parser.add_argument("--pairs", type=int, help="interleaved call pairs per shape "
                         "(default 7, at least 5)")
-    parser.add_argument("--call-blocks", type=int, default=10,
-                        help="blocks per side in one call pair")
-    parser.add_argument("--call-block", type=int, default=20, help="calls per block")
+    parser.add_argument("--call-blocks", type=int,
+                        help="blocks per side in one call pair (default 10)")
+    parser.add_argument("--call-block", type=int, help="calls per block (default 20)")
     parser.add_argument("--only", choices=["calls", "frozen"],
                         help="run one part only (its figures and the load)")
     parser.add_argument("--idle-windows", type=int, help="idle windows (default 4)")
@@ -544,12 +557,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plant-no-liveness", action="store_true",
                         help="freeze children with the heartbeat off: the run must fail")
     args = parser.parse_args(argv)
+    if args.smoke:   # what is not given explicitly, at its smallest
+        args.runs, args.trials, args.pairs = args.runs or 1, args.trials or 1, args.pairs or 1
+        args.idle_windows, args.idle_seconds = args.idle_windows or 1, args.idle_seconds or 1.0
+        args.frozen_runs = args.frozen_runs or ("0,1" if args.only == "frozen" else "0,0")
+        if args.frozen_phase is None:
+            args.frozen_phase = 0.5
+        args.call_blocks, args.call_block = args.call_blocks or 2, args.call_block or 10
     runs = args.runs or (2 if args.quick else 5)
     scale = [int(x) for x in (args.scale or ("2" if args.quick else "4,16")).split(",")]
+    if args.smoke and not args.scale:
+        scale = []   # the shipped N alone
     trials = args.trials or (4 if args.quick else 10)
     windows = args.idle_windows or (2 if args.quick else 4)
     window_s = args.idle_seconds or (2.0 if args.quick else 5.0)
-    pairs = max(5, args.pairs or 7)
+    pairs = args.pairs if args.smoke else max(5, args.pairs or 7)
+    blocks, block = args.call_blocks or 10, args.call_block or 20
     shipped_runs, fast_runs = (int(x) for x in
                                (args.frozen_runs or ("1,2" if args.quick else "3,5")).split(","))
     kinds = tuple(args.frozen_kinds.split(","))
@@ -571,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
     if args.only == "calls":
-        calls = bench_call_overhead(pairs, args.call_blocks, args.call_block)
+        calls = bench_call_overhead(pairs, blocks, block)
         load1 = os.getloadavg()[0]
         if ours:
             shutdown_ray()
@@ -605,15 +628,15 @@ def main(argv: list[str] | None = None) -> None:
                                 args.frozen_phase)
     except (NoNewIncarnation, FrozenNotFound) as exc:
         fail(exc)
-    shipped = start_ratios(shipped_domains(), runs, "s", warmup=True)
+    shipped = start_ratios(shipped_domains(), runs, "s", warmup=not args.smoke)
     cap = actor_cap()
     by_n = {sum(len(d.instances) for d in shipped_domains()): shipped}
     for workers in scale:
         domains = shipped_domains(min(workers, cap // 2))  # no more actors than fit
         n = sum(len(d.instances) for d in domains)
         by_n[n] = by_n.get(n) or start_ratios(domains, max(2, runs // 2 + 1), str(n))
-    calls = bench_call_overhead(pairs, args.call_blocks, args.call_block)
-    idle_ray, idle_tree = bench_idle_cpu(windows, window_s)
+    calls = bench_call_overhead(pairs, blocks, block)
+    idle_ray, idle_tree = bench_idle_cpu(windows, window_s, 1.0 if args.smoke else 3.0)
     load1 = os.getloadavg()[0]
     if ours:
         shutdown_ray()
@@ -649,7 +672,10 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": round(time.perf_counter() - began, 1),
     }
     print_table(result, window_s)
-    print_frozen_table(frozen)
+    if frozen:
+        print_frozen_table(frozen)
+    else:   # --frozen-runs 0,0, as --smoke sets it
+        print("frozen_detect_ms: not run (bench/supervision_frozen.py --smoke runs it)")
     print_call_table(result)
     print(json.dumps(result))
     exit_outside_range(frozen)

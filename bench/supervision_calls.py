@@ -1,7 +1,11 @@
 """The call-overhead part of ``bench/supervision.py``: a call through erlay's supervised
 handle against the same call on a plain Ray actor (see that module's docstring, "Call
 overhead", for what the figures measure).  Its own module to keep each under ~600 lines;
-``bench/supervision.py --only calls`` runs it alone."""
+``bench/supervision.py --only calls`` runs it alone, and so does this script, which passes
+its arguments on (``--smoke``, CI's smoke size: 1 pair of 2 blocks of 10 calls per shape).
+
+    python bench/supervision_calls.py [--smoke] [--pairs 7]   # = supervision.py --only calls
+"""
 
 from __future__ import annotations
 
@@ -170,3 +174,13 @@ def print_call_table(r: dict[str, Any]) -> None:
         for side, stages in r["call_stages_us"][shape].items():
             print(f"    {side:10s} " + "  ".join(f"{k} {v}" for k, v in stages.items()))
     print(f"  load_avg_1m {r['load_avg_1m']} (start, end)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """This part alone: ``bench/supervision.py --only calls`` with these arguments."""
+    import supervision  # bench/ (a script's own folder is on sys.path)
+    supervision.main(["--only", "calls", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    main()

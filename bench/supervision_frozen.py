@@ -20,6 +20,12 @@ the same event's time from that last answer: the silence the supervisor judged, 
 A stop that no ``hang`` event follows within twice the bound voids the figure
 (:class:`FrozenNotFound`); ``--plant-no-liveness`` switches the heartbeat off to show that
 this happens.
+
+This script runs the part alone, as ``bench/supervision.py --only frozen`` with its
+arguments (``--smoke``, CI's smoke size: one SIGSTOP per kind at 1 s x 3, half a period
+after a heartbeat answer).
+
+    python bench/supervision_frozen.py [--smoke] [--frozen-runs 3,5] [--frozen-kinds host]
 """
 
 from __future__ import annotations
@@ -264,6 +270,8 @@ def frozen_figures(runs: tuple[int, int], kinds: tuple[str, ...], plant: bool,
     """``frozen_detect_ms``: one figure per kind and setting (1 s x 3 first, then the
     shipped one), ``runs`` = (shipped runs, 1 s x 3 runs); 0 skips a setting.  ``phase``:
     see :func:`bench_frozen`."""
+    if max(runs) < 1:
+        return {}   # nothing to run: not even the config to read
     shipped = shipped_liveness()
     out: dict[str, Any] = {}
     for kind in kinds:
@@ -306,3 +314,13 @@ def print_frozen_table(figures: dict[str, Any]) -> None:
         print(f"  {'':22s} from its last heartbeat answer: {since['median']} "
               f"({since['min']}-{since['max']}); runs judged at N unanswered heartbeats: "
               f"{missed}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """This part alone: ``bench/supervision.py --only frozen`` with these arguments."""
+    import supervision  # bench/ (a script's own folder is on sys.path)
+    supervision.main(["--only", "frozen", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    main()

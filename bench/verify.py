@@ -14,7 +14,7 @@ work is linear in records), which says what a week-long run's verify costs.  Pri
 table, then one JSON object as the last line.
 
     python bench/verify.py [--sizes 50x256,200x256] [--runs 3]
-    python bench/verify.py --sizes 3x4 --runs 1          # CI's smoke size
+    python bench/verify.py --smoke                       # CI's smoke size: --sizes 3x4 --runs 1
 """
 
 from __future__ import annotations
@@ -74,7 +74,11 @@ def main() -> int:
     parser.add_argument("--sizes", default="50x256,200x256",
                         help="comma-separated STEPSxROLLOUTS_PER_STEP")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's smoke size: --sizes 3x4 --runs 1")
     args = parser.parse_args()
+    if args.smoke:
+        args.sizes, args.runs = "3x4", 1
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
     load = os.getloadavg()
     rows = []

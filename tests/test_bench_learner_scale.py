@@ -1,6 +1,7 @@
-"""bench/learner_scale.py at a tiny size: its last line is the JSON the issue names, two
-fsdp2 ranks each hold about half of what one holds, the sharded step is equivalent to one
-whole learner's, and a planted drift on one rank makes ``equivalent`` false."""
+"""bench/learner_scale.py at its smallest size (``--smoke``, a tiny model): its last line is
+the JSON the issue names, two fsdp2 ranks each hold about half of what one holds, the sharded
+step is equivalent to one whole learner's, and a planted drift on one rank makes
+``equivalent`` false."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--hidden", "64", "--layers", "2", "--ffn", "128"]
 
 
 def run_bench(*extra: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "learner_scale.py"), *TINY,
-                           *extra], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          check=True)
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "learner_scale.py"),
+                           "--smoke", *extra], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

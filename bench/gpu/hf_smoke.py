@@ -24,6 +24,7 @@ with ``torch.set_default_device``, which the learner and the engine's batching c
 
     python bench/gpu/hf_smoke.py                     # CUDA, the 0.5B shape, bfloat16
     python bench/gpu/hf_smoke.py --device cpu --size tiny   # checks the script here
+    python bench/gpu/hf_smoke.py --smoke                    # CI's smoke run: that check
 """
 
 from __future__ import annotations
@@ -201,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's smoke run: --device cpu --size tiny (with or without CUDA)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.size = "cpu", "tiny"
     gpu = args.device.startswith("cuda")
     args.size = args.size or ("0.5b" if gpu else "tiny")
     for name, on_gpu, on_cpu in (("groups", 8, 2), ("prompt_len", 128, 8),

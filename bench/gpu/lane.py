@@ -39,6 +39,7 @@ else ``bench/gpu/out/gpu_lane.json``) and prints the same JSON as the last stdou
 
     python bench/gpu/lane.py                                # CUDA
     python bench/gpu/lane.py --device cpu --size tiny       # the CPU check
+    python bench/gpu/lane.py --smoke                        # CI's smoke run: the CPU check
     python bench/gpu/lane.py --phases checkpoint --plant-failure checkpoint   # must fail
 """
 
@@ -530,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=["0.5b", "tiny"], default=None,
                         help="learner model shape and phase sizes (default: 0.5b on CUDA, "
                              "tiny on CPU)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's smoke run: --device cpu --size tiny (with or without CUDA)")
     parser.add_argument("--phases", help=f"comma-separated subset of {','.join(PHASES)}")
     parser.add_argument("--budget", help="per-phase seconds, e.g. mtp=60,learner=90 "
                                          f"(defaults {BUDGET_S})")
@@ -550,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_wheels:
         print("\n".join(WHEELS))
         return 0
+    if args.smoke:
+        args.device, args.size = "cpu", "tiny"
     if args.device.startswith("cpu") and args.size is None:
         args.size = "tiny"
     if args.device.startswith("cuda") and not args.phase and not cuda_present():

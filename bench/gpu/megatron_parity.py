@@ -24,6 +24,11 @@ minute on one GPU (3 minutes at most: ``--deadline-s``).
 
     python bench/gpu/megatron_parity.py               # on the device machine (run.sh)
     python bench/gpu/megatron_parity.py --cpu-check   # the same code here, CUDA calls patched
+    python bench/gpu/megatron_parity.py --smoke       # CI's smoke run: --cpu-check, tiny
+
+``--smoke`` is ``--cpu-check`` at the tiny shape, with or without CUDA; where megatron-core
+itself is missing (the ``megatron`` extra not installed) it says so, prints
+``{"gpu": false, "megatron": false}`` last and exits 0: nothing was measured.
 """
 
 from __future__ import annotations
@@ -220,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-check", action="store_true",
                         help="run on the CPU with megatron's CUDA calls patched: checks this "
                         "script's wiring here (patch_for_cpu_check); not a GPU figure")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI's smoke run: --cpu-check at the tiny shape")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.cpu_check, args.size = True, "tiny"
     try:
         import torch
     except ImportError:   # no torch, so no GPU to measure on: said as for a CPU machine
@@ -238,6 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     import lane
     lane.prepare_imports()          # the shipped wheels (megatron-core) and erlay from here
+    if args.smoke:
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            print("megatron_parity: megatron-core is not installed (the megatron extra); "
+                  "nothing measured")
+            print(json.dumps({"gpu": False, "megatron": False}))
+            return 0
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     result: dict[str, Any] = {"gpu": device == "cuda", "device": torch.cuda.get_device_name(0)
                               if device == "cuda" else "cpu (--cpu-check)"}
