@@ -85,6 +85,7 @@ from erlay.actors.engine.api import (
     WeightsMismatch,
     drain_chunks,
 )
+from erlay.actors.engine.boot import BootTimeline, process_started
 from erlay.actors.engine.core import validate_request
 from erlay.actors.engine.core_watch import ExitWatch, core_processes, engine_core_pid
 from erlay.actors.engine.vllm_warmup import warm_up
@@ -132,6 +133,13 @@ class VllmEngine:
                  torch_threads: int | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        # BootTimeline: this module imports nothing heavy (vLLM is imported by its engine's
+        # start, counted in model_built), so its imports are marked as taking no time.
+        self.boot = BootTimeline()
+        if (started := process_started()) is not None:
+            self.boot.mark("process_started", started)
+        for stage in ("imports_started", "imports_done", "init_started"):
+            self.boot.mark(stage)
         self.model_config = dict(model_config)
         self._hf = is_hf(self.model_config)
         if self._hf and model_dir is not None:
@@ -204,6 +212,7 @@ class VllmEngine:
             self._shapes = {k: tuple(v.shape) for k, v in state.items()}
             self._vocab = int(self.model_config["vocab_size"])
         self._llm = await asyncio.to_thread(self._start_vllm, model_dir)
+        self.boot.mark("model_built")
         loop = asyncio.get_running_loop()
         # The EngineCore's exit fails every stream on the loop's next turn (core_watch);
         # the poll below stays for a vLLM that does not expose its processes.
@@ -218,6 +227,7 @@ class VllmEngine:
         began = time.monotonic()
         await warm_up(self._llm, self._vocab, greedy=self._greedy_only)
         log.info("vLLM engine warmed up in %.1f s", time.monotonic() - began)
+        self.boot.mark("warmed")
         # vLLM, torch and the model make a heap of ~700k long-lived objects, and each full
         # collection walks all of them: a pause of 0.5-1 s of this event loop (which serves
         # every stream, and the heartbeat) whenever streaming's garbage triggers one.
@@ -315,6 +325,7 @@ class VllmEngine:
                     log.warning("weights v%d replace newer v%d", version, self._version)
                 self._version = int(version)
                 self._counters["weight_updates"] += 1
+                self.boot.mark("first_weights")
             finally:
                 self._open.set()
                 self._set_phase()
@@ -322,6 +333,11 @@ class VllmEngine:
 
     async def version(self) -> int:
         return self._version
+
+    async def boot_timeline(self) -> dict[str, float]:
+        """This process's :class:`~erlay.actors.engine.boot.BootTimeline` marks so far (no
+        ``first_admitted``: vLLM schedules the requests itself)."""
+        return self.boot.to_dict()
 
     async def stats(self) -> dict[str, Any]:
         c = self._counters
@@ -433,6 +449,7 @@ class VllmEngine:
         req = _Request(request, queue, timing={"received": time.monotonic()})
         self._requests[request.request_id] = req
         self._counters["requests_submitted"] += 1
+        self.boot.mark("first_request")
         return req
 
     async def _serve(self, req: _Request) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from erlay.actors.engine import staging
 from erlay.actors.engine.api import EngineFailed, GenerationRequest, TokenChunk
+from erlay.actors.engine.boot import STAGES as BOOT_STAGES
 from erlay.actors.model.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
 from erlay.supervisor.events import EventKind, MemorySink
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
@@ -248,6 +249,12 @@ def test_weight_update_changes_outputs_and_the_served_version(tree: Any) -> None
     with pytest.raises(Exception, match="do not fit"):
         ray.get(eng.update_weights.remote(version + 1, {"embed.weight": OTHER["embed.weight"]}))
     assert ray.get(eng.update_weights.remote(version + 1, BASE)) == version + 1
+    # The boot timeline bench/engine_restart.py reads: every mark vLLM has, the start-up's
+    # in order, and the first weights and request after it.
+    marks = ray.get(eng.boot_timeline.remote())
+    assert list(marks) == [s for s in BOOT_STAGES if s != "first_admitted"], marks
+    boot = [marks[s] for s in BOOT_STAGES[:6]]
+    assert boot == sorted(boot) and min(marks["first_weights"], marks["first_request"]) >= boot[-1]
 
 
 def test_update_during_a_stream_never_mixes_versions(tree: Any) -> None:
