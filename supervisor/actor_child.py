@@ -514,10 +514,8 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
     constructor), and a boot start of the same path (incarnation 1) then adopts the actor
     and awaits that same answer; the second kills whatever the boot never reached.
 
-    It also owns the tree's warm spares (``ActorStart.spares``; ``spares``, a
-    :class:`~erlay.supervisor.spares.SparePool`): a restart adopts one when it can, and every
-    start of such a child refills the pool (at once after the first start, ``spare_delay_s``
-    after an adoption).  The tree calls ``spares.discard()`` when it closes.
+    It also owns the tree's warm spares (``spares``, :mod:`erlay.supervisor.spares`): every
+    start that adopts no boot-ahead actor adopts a spare when one is there, and refills.
     """
     # path -> (actor, its pending _erlay_ready) created at the tree's boot, not yet started
     ahead: dict[str, tuple[Any, Any]] = {}
@@ -533,8 +531,11 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
         assert isinstance(start_spec, ActorStart)
         timeout_s = start_spec.ready_timeout_s or ready_timeout_s
         supervisor = ctx.path.rsplit("/", 1)[0]
+        adopted = ahead.pop(ctx.path, None) if ctx.incarnation == 1 and not ctx.args \
+            else None
         spare = None
-        if start_spec.spares and ctx.incarnation > 1 and not ctx.args:
+        if adopted is None and start_spec.spares and not ctx.args:
+            # A restart, or a start under a supervisor its parent restarted (spares outlive it)
             spare = await spares.take(supervisor, start_spec, timeout_s)
         if spare is not None:
             log.info("%s: adopted spare %s (built %.1f s ago)", ctx.path, spare.name,
@@ -543,8 +544,6 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
                                 probe_interval_s)
             spares.fill(supervisor, start_spec, delay_s=start_spec.spare_delay_s)
             return proc
-        adopted = ahead.pop(ctx.path, None) if ctx.incarnation == 1 and not ctx.args \
-            else None
         if adopted is None:
             handle = await _create(*_creation(start_spec, ctx.path, ctx.incarnation, ctx.args))
             ready = handle._erlay_ready.remote()

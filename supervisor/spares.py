@@ -4,8 +4,10 @@ A deviation from OTP (an OTP restart always runs the child's start function).  A
 child whose :class:`~erlay.supervisor.spec.ActorStart` sets ``spares=n`` keeps up to ``n``
 constructed and ready actors beside it, under its supervisor's path
 (``<supervisor>/spare-<k>``).  When one of the supervisor's children with an *equal* start
-spec is restarted, the starter adopts a spare: the new incarnation is that actor, whose
-process has long since imported its code, built its model and run its ready hook.  What is
+spec starts again (a restart, or its start under a supervisor that was itself restarted;
+any start but one that adopts a boot-ahead actor), the starter adopts a spare: the new
+incarnation is that actor, whose process has long since imported its code, built its model
+and run its ready hook.  What is
 left on the restart's critical path is the check that the spare still answers, and whatever
 the child's clients do with a new incarnation (an engine pool's weight load).
 

@@ -120,3 +120,31 @@ def test_no_spare_outlives_the_tree() -> None:
         return True
 
     wait_for(gone, timeout=15, what="the spares killed with the tree")
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_local")
+def test_a_restarted_supervisors_children_adopt_the_spare_that_outlived_it() -> None:
+    """Intensity 0 makes the domain escalate at the first exit; the root restarts it, and
+    its children's first starts under the new supervisor take the spare."""
+    import ray
+
+    from erlay.supervisor.spec import SupervisorStart
+    start = ActorStart(BuildsSlowly, spares=1)
+    dom = ChildSpec("dom", SupervisorStart(SupervisorFlags("one_for_one", intensity=0),
+                                           (ChildSpec("e0", start), ChildSpec("e1", start))),
+                    type="supervisor")
+    t = SupervisionTree("sp-esc", FLAGS, [dom]).start()
+    try:
+        (_, spare_pid), = wait_for(lambda: _spare_pids(t), timeout=30, what="a spare").items()
+        old = {p: int(t.ref(f"sp-esc/dom/{p}").process.info["pid"]) for p in ("e0", "e1")}
+        os.kill(old["e0"], signal.SIGKILL)
+
+        def new_pids() -> set[int]:
+            pids = {int(ray.get(t.ref(f"sp-esc/dom/{p}").actor.pid.remote(), timeout=5))
+                    for p in ("e0", "e1")}
+            return pids if not pids & set(old.values()) else set()
+
+        assert spare_pid in wait_for(new_pids, timeout=30, what="the domain restarted")
+    finally:
+        t.stop()
