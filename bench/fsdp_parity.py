@@ -252,21 +252,27 @@ def vocab_of(spec: dict[str, Any]) -> int:
 SMOKE = ("--hidden", "64", "--layers", "2", "--ffn", "128")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The tiny Llama's size options, ``--perturb`` and ``--smoke`` (the :data:`SMOKE` sizes;
+    explicit options win over them), parsed; shared with ``bench/learner_scale.py``."""
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--world", type=int, default=2, help="fsdp2 ranks")
     parser.add_argument("--perturb", type=float, default=0.0,
                         help="plant a drift on the last rank (equivalent must be false)")
     parser.add_argument("--smoke", action="store_true",
                         help="the smallest size (CI): " + " ".join(SMOKE))
     args = parser.parse_args(argv)
     if args.smoke:
-        # Explicit options win over the smoke sizes.
         args = parser.parse_args([*SMOKE, *(sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2, help="fsdp2 ranks")
+    args = model_args(parser, argv)
     logging.basicConfig(level=logging.WARNING)
     from erlay.actors.model.tiny import write_tiny_model
 

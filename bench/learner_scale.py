@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_parity import (  # bench/ is on sys.path when run as a script
     fsdp_rank_startup,
     fsdp_rank_step,
+    model_args,
     parity_batch,
     run_parity,
     spawn_ranks,
@@ -65,7 +66,6 @@ from fsdp_parity import (  # bench/ is on sys.path when run as a script
 )
 
 KEYS = ("param_bytes", "grad_bytes", "optim_bytes")
-SMOKE = ("--hidden", "64", "--layers", "2", "--ffn", "128")
 
 
 def per_rank_max(ranks: list[dict[str, int]]) -> dict[str, int]:
@@ -112,18 +112,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--perturb", type=float, default=0.0,
-                        help="plant a drift on the last rank (equivalent must be false)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest size (CI): " + " ".join(SMOKE))
-    args = parser.parse_args(argv)
-    if args.smoke:
-        # Explicit options win over the smoke sizes.
-        args = parser.parse_args([*SMOKE, *(sys.argv[1:] if argv is None else argv)])
+    args = model_args(parser, argv)
     logging.basicConfig(level=logging.WARNING)
     result = measure(args.hidden, args.layers, args.ffn, args.heads, args.perturb)
     print(table(result))
