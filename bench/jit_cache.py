@@ -9,10 +9,11 @@ an HF Qwen2-architecture model (``model.hf: models/tiny-qwen2``, ``init: random`
 :class:`erlay.actors.model.hf.HFPolicy`); the prompts are arithmetic (``12+34=``, ...)
 encoded by the job's own tokenizer (``tokenizer.prompt_ids``) and left-padded into a batch.
 The model is compiled with ``torch.compile`` (Inductor, C++ codegen on CPU); the forward
-called is ``HFPolicy.forward`` without a KV cache (a prefill through the HF stack), where
-Dynamo breaks the graph at the policy's position check (``graphs`` and ``graph_breaks``
-count them).  The torch engine itself decodes eagerly today: this measures what a compile of
-its model costs, cold and warm.  Each measurement runs in a FRESH Python process:
+called is ``HFPolicy.forward`` without a KV cache (a prefill through the HF stack), in one
+graph per grad mode (``graphs``; ``graph_breaks`` counts any break: the policy's position
+check is skipped under compile for that reason).  The torch engine itself decodes eagerly
+today: this measures what a compile of its model costs, cold and warm.  Each measurement
+runs in a FRESH Python process:
 
 1. **cold**: an empty node-local cache directory (``JitCache.seed()`` finds no archive);
 2. the cold node's caches are archived with ``JitCache.elect()`` + ``JitCache.archive()``;
@@ -43,9 +44,16 @@ gets its own ``TMPDIR`` on the node, so nothing reaches the warm run outside the
 ``outside_cache_mb`` is what a child wrote there.
 
 The pair above runs with :data:`erlay.supervisor.node.jitcache.DEFAULT_FLAGS` (Inductor's
-precompiled C++ header off).  A second pair, ``stock``, keeps Inductor's default (header on): its
-warm child rebuilds the 150 MB header, which lives outside the cache directory, before its first
-forward.
+precompiled C++ header off).  Its warm child still traces the model again (Dynamo's tracing
+of the HF forward is most of ``warm_s``): the caches hold compiled graphs, not traces.  A
+second pair, ``precompile``, adds ``TORCH_CACHING_PRECOMPILE=1`` (Dynamo's own cache of the
+traced frames and their guards, experimental in torch 2.13, written by
+``torch.compiler.save_cache_artifacts()`` after the first forward, into the same cache
+directory): its warm child loads the frames instead of tracing (``dynamo_cache_hit``, no
+graph traced).  It is not among the flags a job forwards: it drops some guards, and vLLM's
+compile was not tried under it.  A third pair, ``stock``, keeps Inductor's default (header
+on): its warm child rebuilds the 150 MB header, which lives outside the cache directory,
+before its first forward.
 
 Also: ``seed_s`` (``JitCache.seed()`` call to return: one sequential extraction),
 ``archive_s`` (``elect()`` + ``archive()`` call to return), ``archive_mb``, and each child's
@@ -59,13 +67,14 @@ every figure is then reported as ``{"median", "min", "max", "runs"}`` over the r
 met by one lucky run is a miss).  The JSON keys keep their meaning from before ``--runs``,
 each now a run's figure spread over the runs; ``load_avg_1m`` is the 1-minute load average at
 the start and the end.  A run takes minutes (the cold compiles), so the default is 1.
-``--smoke`` is CI's smallest size: ``--runs 1 --no-stock --batch 1 --no-train``, still a real
+``--smoke`` is CI's smallest size: ``--runs 1 --no-stock --no-precompile --batch 1
+--no-train``, still a real
 cold compile and a real warm start from the archive (about 50 s on 2 idle cores).  Prints a table of
 each child's figures (medians over the runs), a table that names what each headline figure
 measures, then one JSON object as the last line.  Target: ``warm_over_cold`` <= 0.1.
 
-    python bench/jit_cache.py [--dir /tmp] [--no-stock] [--keep] [--runs 1] [--batch 3]
-                              [--no-train] [--smoke]
+    python bench/jit_cache.py [--dir /tmp] [--no-stock] [--no-precompile] [--keep]
+                              [--runs 1] [--batch 3] [--no-train] [--smoke]
 """
 
 from __future__ import annotations
@@ -97,7 +106,8 @@ PAIRS = ((12, 34), (5, 78), (99, 1))
 
 COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
             ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
-            ("aot_autograd", "autograd_cache_miss"))
+            ("aot_autograd", "autograd_cache_miss"), ("dynamo_cache", "dynamo_cache_hit"),
+            ("dynamo_cache", "dynamo_cache_miss"))
 
 
 def engine_plan(config: Path = CONFIG) -> tuple[dict[str, Any], int, Any]:
@@ -145,6 +155,12 @@ def child(batch: int, train: bool) -> None:
         train_logits, _ = compiled(tokens, positions, mask)
         train_logits.float().logsumexp(-1).mean().backward()
         out["train_s"] = time.perf_counter() - t1
+    saved = time.perf_counter()
+    if torch._dynamo.config.caching_precompile:
+        # Dynamo's own cache (the traced frames and their guards) is written on request:
+        # what a warm process loads instead of tracing the model again.
+        torch.compiler.save_cache_artifacts()
+    out["precompile_save_s"] = time.perf_counter() - saved
     with torch.no_grad():
         eager, _ = model(tokens, positions, mask)
     counters = torch._dynamo.utils.counters
@@ -207,11 +223,18 @@ def cold_then_warm(workdir: Path, label: str, child_args: list[str],
             "seeded_files": seeded.files}
 
 
-def not_warm(warm: dict[str, Any]) -> str | None:
+def not_warm(warm: dict[str, Any], precompile: bool = False) -> str | None:
     """Why a warm child's compile did not come from the seeded cache, or None if it did.
 
     A real warm start hits the FX graph cache and misses and bypasses nothing, in Inductor's
-    cache and in AOT autograd's (a miss there means a graph was compiled again)."""
+    cache and in AOT autograd's (a miss there means a graph was compiled again).  With
+    Dynamo's caching precompile it loads the traced frames from Dynamo's cache instead: a
+    hit there, and no graph traced."""
+    if precompile:
+        why = [f"{warm['graphs']} graphs traced"] if warm["graphs"] else []
+        if not warm.get("dynamo_cache_hit"):
+            why.insert(0, "no dynamo_cache_hit")
+        return ", ".join(why) or None
     why = [f"{warm[name]} {name}" for name in ("fxgraph_cache_miss", "fxgraph_cache_bypass",
                                                 "autograd_cache_miss") if warm[name]]
     if not warm["fxgraph_cache_hit"]:
@@ -249,6 +272,13 @@ def figures(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
     if "train_s" in cold:
         out.update({"cold_train_s": cold["train_s"], "warm_train_s": warm["train_s"]})
+    if "precompile" in runs:
+        pre = runs["precompile"]
+        out.update({
+            "precompile_cold_s": pre["cold"]["fwd_s"],
+            "precompile_warm_s": pre["warm"]["fwd_s"],
+            "precompile_warm_over_cold": pre["warm"]["fwd_s"] / pre["cold"]["fwd_s"],
+        })
     if "stock" in runs:
         stock = runs["stock"]
         out.update({
@@ -286,6 +316,9 @@ WHAT: list[tuple[str, str]] = [
     ("cold_fxgraph_cache_miss", "FX graph cache misses in the cold child"),
     ("graphs", "Dynamo graphs in the cold child (no_grad forward; grad mode's too if trained)"),
     ("graph_breaks", "graph breaks Dynamo met in the cold child"),
+    ("precompile_cold_s", f"the same flags and TORCH_CACHING_PRECOMPILE=1, empty cache: {FWD}"),
+    ("precompile_warm_s", "the same, seeded node: Dynamo's traced frames loaded, not traced"),
+    ("precompile_warm_over_cold", "precompile_warm_s / precompile_cold_s"),
     ("stock_cold_s", f"Inductor's default flags (C++ header on), empty cache: {FWD}"),
     ("stock_warm_s", "the same, seeded node (rebuilds the header outside the cache)"),
     ("stock_warm_over_stock_cold", "stock_warm_s / stock_cold_s"),
@@ -300,6 +333,8 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--no-stock", action="store_true",
                         help="skip the pair with Inductor's stock precompiled C++ header")
+    parser.add_argument("--no-precompile", action="store_true",
+                        help="skip the pair with Dynamo's caching precompile")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--runs", type=int, default=1,
                         help="whole measurements (median, min..max); minutes each")
@@ -308,10 +343,12 @@ def main() -> None:
     parser.add_argument("--no-train", action="store_true",
                         help="skip the extra forward + backward (train_s)")
     parser.add_argument("--smoke", action="store_true",
-                        help="CI's smallest size: --runs 1 --no-stock --batch 1 --no-train")
+                        help="CI's smallest size: --runs 1 --no-stock --no-precompile --batch 1 "
+                        "--no-train")
     args = parser.parse_args()
     if args.smoke:
         args.runs, args.no_stock, args.batch, args.no_train = 1, True, 1, True
+        args.no_precompile = True
     if args.child:
         child(args.batch, train=not args.no_train)
         return
@@ -323,6 +360,9 @@ def main() -> None:
     try:
         for r in range(args.runs):
             runs = {"erlay": cold_then_warm(workdir, f"erlay{r}", child_args)}
+            if not args.no_precompile:
+                runs["precompile"] = cold_then_warm(workdir, f"pre{r}", child_args,
+                                                    TORCH_CACHING_PRECOMPILE="1")
             if not args.no_stock:
                 runs["stock"] = cold_then_warm(workdir, f"stock{r}", child_args,
                                                TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS="1")
@@ -338,7 +378,7 @@ def main() -> None:
     rows = ["fwd_s", "train_s", "import_s", "compiler_import_s", "build_s", "process_s",
             "outside_cache_mb", "graphs", "graph_breaks", "fxgraph_cache_hit",
             "fxgraph_cache_miss", "fxgraph_cache_bypass", "autograd_cache_hit",
-            "autograd_cache_miss", "max_abs_diff"]
+            "autograd_cache_miss", "dynamo_cache_hit", "dynamo_cache_miss", "max_abs_diff"]
     columns = [(label, kind) for label in all_runs[0] for kind in ("cold", "warm")]
     print(f"each child, median of {args.runs} run(s), batch of {args.batch}; 1-min load "
           f"average {load0:.2f} -> {load1:.2f}")
@@ -355,7 +395,8 @@ def main() -> None:
                                for key in per_run[0]}
     # Every warm child of every run, stock included: a warm start that compiled anyway.
     misses = [f"run {r} {label}: {why}" for r, runs in enumerate(all_runs)
-              for label, pair in runs.items() if (why := not_warm(pair["warm"]))]
+              for label, pair in runs.items()
+              if (why := not_warm(pair["warm"], precompile=label == "precompile"))]
     summary.update({"warm_hit": not misses, "runs": args.runs, "batch": args.batch,
                     "smoke": args.smoke, "load_avg_1m": [round(load0, 2), round(load1, 2)],
                     "wall_s": round(time.perf_counter() - began, 1)})

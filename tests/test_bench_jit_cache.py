@@ -56,3 +56,13 @@ def test_a_warm_child_that_took_its_graphs_from_the_cache_is_warm() -> None:
 def test_a_warm_child_that_compiled_anyway_is_not_warm(planted: dict[str, Any],
                                                         why: str) -> None:
     assert jit_cache.not_warm({**WARM, **planted}) == why
+
+
+def test_a_precompiled_warm_child_loads_its_frames_instead_of_tracing() -> None:
+    """Dynamo's caching precompile: warm is a dynamo cache hit with nothing traced; planted,
+    a child that traced anyway (or never hit) is not warm, FX graph hits or not."""
+    loaded = {**WARM, "fxgraph_cache_hit": 0, "graphs": 0, "dynamo_cache_hit": 1}
+    assert jit_cache.not_warm(loaded, precompile=True) is None
+    assert jit_cache.not_warm({**loaded, "graphs": 2}, precompile=True) == "2 graphs traced"
+    assert jit_cache.not_warm({**WARM, "graphs": 2, "dynamo_cache_hit": 0},
+                              precompile=True) == "no dynamo_cache_hit, 2 graphs traced"

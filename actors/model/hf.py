@@ -275,7 +275,9 @@ class HFPolicy(nn.Module):
         (:func:`lean_layers`) it runs :meth:`_lean_hidden`, the same computation as the HF
         forward without its per-call mask building and cache objects."""
         from transformers import DynamicCache
-        if int(positions.max()) >= self.cfg.max_seq_len:
+        # Not under torch.compile: reading a tensor's value breaks the graph (a traced
+        # engine's requests were already checked against max_seq_len by validate_request).
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.cfg.max_seq_len:
             raise ValueError(f"position {int(positions.max())} exceeds max_seq_len "
                              f"{self.cfg.max_seq_len}")
         if isinstance(cache, KVBuffer):
