@@ -561,8 +561,8 @@ def actor_starter(*, ready_timeout_s: float = 120.0, quarantine_timeout_s: float
         if getattr(start_spec.cls, "_erlay_event_source", False):
             proc.start_event_pump()
         if start_spec.spares and not ctx.args:
-            spares.fill(supervisor, start_spec,
-                        delay_s=0.0 if ctx.incarnation == 1 else start_spec.spare_delay_s)
+            spares.fill(supervisor, start_spec, delay_s=start_spec.spare_first_delay_s
+                        if ctx.incarnation == 1 else start_spec.spare_delay_s)
         return proc
 
     cancel_safe(start)   # its ready wait kills the actor on any exit, cancellation included

@@ -25,7 +25,8 @@ Contracts:
 - The pool is refilled after every adoption, ``spare_delay_s`` later (the start's), so the
   replacement spare's start-up (a new process importing torch, building a model) does not
   compete for the node's CPUs with the failover of the failed child's work.  The first
-  spares are made as soon as the first child of the spec has started.
+  spares are made ``spare_first_delay_s`` after the first child of the spec has started,
+  so that they do not compete with the rest of the boot either.
 - Spares belong to the tree: they survive a restart of their supervisor (its children
   adopt them as they would have before) and are killed when the tree closes
   (:meth:`SparePool.discard`), so none outlives the job.  They hold no work, so nothing is

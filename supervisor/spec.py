@@ -140,7 +140,8 @@ class ActorStart(StartSpec):
     ``spares`` (a deviation from OTP, 0 by default): keep that many actors of this spec
     built and ready beside the child, under its supervisor; a restart of any child of the
     supervisor with an equal spec adopts one instead of building a new actor, and the pool is
-    refilled ``spare_delay_s`` later (:mod:`erlay.supervisor.spares`).  Only for a class that
+    refilled ``spare_delay_s`` later (:mod:`erlay.supervisor.spares`); the first spares are
+    built ``spare_first_delay_s`` after the child's first start.  Only for a class that
     does not need its tree path (``_erlay_wants_path``: a spare does not know which child it
     will serve) and a child started without dynamic arguments.
     """
@@ -153,6 +154,7 @@ class ActorStart(StartSpec):
     boot_ahead: bool = False
     spares: int = 0
     spare_delay_s: float = 0.0
+    spare_first_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.cls, type):
@@ -163,8 +165,9 @@ class ActorStart(StartSpec):
         if self.spares and getattr(self.cls, "_erlay_wants_path", False):
             raise InvalidSpec("start.spares", self.spares,
                               "0 for a class that needs its tree path (a host)")
-        if not self.spare_delay_s >= 0:
-            raise InvalidSpec("start.spare_delay_s", self.spare_delay_s, "seconds >= 0")
+        for name in ("spare_delay_s", "spare_first_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise InvalidSpec(f"start.{name}", getattr(self, name), "seconds >= 0")
         if self.ready_timeout_s is not None and not self.ready_timeout_s > 0:
             raise InvalidSpec("start.ready_timeout_s", self.ready_timeout_s, "a number > 0")
         if self.options.get("max_restarts", 0) != 0:

@@ -35,6 +35,7 @@ ELSEWHERE = {
     "loop_lag.py": ("test_bench_loop_lag.py", "--quick"),
     "replay.py": ("test_bench_replay.py", "--smoke"),
     "storage.py": ("test_bench_storage.py", "--smoke"),
+    "supervision_frozen.py": ("test_bench_supervision.py", "--frozen-runs"),
     "verify.py": ("test_bench_verify.py", "--smoke"),
     "gpu/lane.py": ("test_bench_gpu_lane.py", "--size"),
     "gpu/megatron_parity.py": ("test_bench_megatron_parity.py", "--cpu-check"),
@@ -77,7 +78,7 @@ def test_last_json_refuses_output_without_a_final_json_object(bad: str) -> None:
 def test_scripts_run_elsewhere_are_run_there(script: str) -> None:
     test, flag = ELSEWHERE[script]
     text = (REPO / "tests" / test).read_text(encoding="utf-8")
-    assert Path(script).name in text and flag in text, (script, test, flag)
+    assert Path(script).stem in text and flag in text, (script, test, flag)
 
 
 @pytest.mark.parametrize("script", [s for s in scripts() if s not in ELSEWHERE])

@@ -290,7 +290,8 @@ class Job:
         """The start spec of one generation engine of the configured backend (every engine's
         is equal, so they share the warm spares)."""
         cfg = self.cfg
-        spares = dict(spares=engine_spares(cfg), spare_delay_s=spare_delay_s)
+        spares = dict(spares=engine_spares(cfg), spare_delay_s=spare_delay_s,
+                      spare_first_delay_s=cfg.engine.spare_start_delay_s)
         if cfg.engine.backend == "vllm":
             from erlay.actors.engine.vllm_engine import VllmEngine
             vllm = cfg.engine.vllm
