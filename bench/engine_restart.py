@@ -42,8 +42,7 @@ the suffix ``_no_spares`` (torch) or ``_spare`` (vLLM); ``backend``, ``load_avg`
 (1/5/15-minute, at the end) and ``kills``.  A
 kill whose replacement did not serve within ``--recover-s`` leaves a moment unmeasured: the
 bench says so on stderr and exits 1, as it does when fewer kills landed than asked for or a
-run failed.  ``--smoke`` is CI's smallest run: one kill, as shipped except that its spare
-is built at once (``engine.spare_start_delay_s=0``) instead of 30 s into the job.
+run failed.  ``--smoke`` is CI's smallest run: one kill, as shipped only.
 
     python bench/engine_restart.py [--kills 6] [--backend torch|vllm] [--smoke]
 """
@@ -272,13 +271,10 @@ def moments(kill: Kill, events: list[dict[str, Any]], seen: Observed,
 def run_mode(backend: str, spares: int | None, kills: int, parent: Path, recover_s: float,
              smoke: bool) -> dict[str, Any]:
     config = "vllm.yaml" if backend == "vllm" else "cpu.yaml"
-    # Long enough for the first spare (engine.spare_start_delay_s after the start) and a
-    # refill between kills; the smoke run builds its spare at once to stay short.
+    # Long enough for the first spare and a refill between kills.
     steps = (40 if smoke else 40 * kills + 80) if backend == "torch" else 60 * kills + 40
     over = [f"run.steps={steps}", "warm_start.steps=10", "engine.num_engines=2",
             "supervision.generation.intensity=50", "ray.num_cpus=4", f"run.storage={parent}"]
-    if smoke:
-        over.append("engine.spare_start_delay_s=0")
     if spares is not None:
         over.append(f"engine.spares={spares}")
     cfg = load_config(ROOT / "configs" / config, over)

@@ -226,11 +226,11 @@ class EngineSection(Section):
                                "process, and a new spare is built after restart_delay_s.  "
                                "null: 1 for the torch engine, 0 for vllm (a spare vLLM engine "
                                "holds its own memory and GPUs)")
-    spare_start_delay_s: float = Field(30.0, ge=0, allow_inf_nan=False, description="seconds "
-                                       "from the engines' first start to the first spare's: "
-                                       "the job's boot and first steps have the node's CPUs "
-                                       "first; a failure before the spare is ready restarts "
-                                       "as without one")
+    spare_start_delay_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="seconds "
+                                       "from the engines' first start to the first spare's "
+                                       "(0 = at once); more lets the job's boot have the "
+                                       "node's CPUs first, and a failure before the spare is "
+                                       "ready restarts as without one")
     spec_k: int = Field(0, ge=0, description="torch engine: tokens drafted per step by the MTP "
                         "heads and verified in one pass (0 = no speculation)")
     spec_max_concurrency: int = Field(0, ge=0, description="speculate only while at most "
