@@ -19,11 +19,14 @@ the median RL step's train call (batch sent to new weights published).
 Also runs a short tool-use job in the same invocation, so the sandbox path is measured too
 (``tool_use_sandbox_calls``): the arithmetic default makes no tool calls.
 
-``telemetry_overhead`` is samples/s with telemetry off (``telemetry.exporter=none``, no Ray
-metrics) divided by samples/s with the default exporters on (spans and metrics to files,
-Ray metrics, 2% of rollouts traced end to end), over short jobs run alternately off/on, the
-median of the pairs.  Both use the same seeds and the same work per step; which policy version
-makes which token depends on timing (one-step off-policy), so their tokens may differ.
+``telemetry_overhead`` (wall: RL samples/s off / on) and ``telemetry_cpu_overhead`` (CPU
+seconds per trained sample in every process of the job, on / off) come from
+``bench/telemetry.py`` (its docstring says how they are measured): ``--overhead-pairs`` pairs
+of short jobs, telemetry off (``telemetry.exporter=none``, no Ray metrics) and on (the
+shipped default), the order alternating; each figure is the median over the pairs, with its
+spread.  Both jobs of a pair use the same seeds and the same work per step; which policy
+version makes which token depends on timing (one-step off-policy), so their tokens may
+differ.
 
 ``gen_train_overlap`` is the share of the RL wall time during which generation and training
 both ran: the measure of (union of the steps' generation windows) ∩ (union of their training
@@ -45,6 +48,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -55,6 +59,9 @@ from erlay.actors.job.driver import Job
 from erlay.actors.observe.summary import reward_window
 from erlay.actors.rundir import RunDir
 from erlay.supervisor.raylocal import shutdown_ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from telemetry import OVERHEAD_OVERRIDES, telemetry_figures  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,33 +147,6 @@ def figures(run_dir: RunDir, wall_s: float) -> dict[str, Any]:
 SMOKE_OVERRIDES = ["run.steps=2", "warm_start.steps=1", "rollout.prompts_per_step=2",
                    "rollout.group_size=2", "learner.lr_decay_steps=0",
                    "environment.workers_per_node=1"]
-OVERHEAD_OVERRIDES = ["run.steps=60", "warm_start.steps=60", "learner.lr_decay_steps=0"]
-TELEMETRY_OFF = ["telemetry.exporter=none", "telemetry.ray_metrics=false"]
-
-
-def rl_samples_per_s(run_dir: RunDir) -> float:
-    """Samples per second of RL wall time (the warm start and Ray's start excluded)."""
-    steps = run_dir.rl_steps()
-    return sum(m["samples"] for m in steps) / sum(m["step_s"] for m in steps)
-
-
-def telemetry_overhead(config: Path, parent: Path, pairs: int) -> dict[str, Any]:
-    """The telemetry pairs; their ``gen_train_overlap`` too, a spread for the main job's
-    (same config, 60 RL steps each)."""
-    ratios, overlaps = [], []
-    for i in range(pairs):
-        _, off = run_job(config, [*OVERHEAD_OVERRIDES, *TELEMETRY_OFF], parent, f"off-{i}")
-        _, on = run_job(config, OVERHEAD_OVERRIDES, parent, f"on-{i}")
-        ratios.append(rl_samples_per_s(off) / rl_samples_per_s(on))
-        overlaps += [gen_train_overlap(d.rl_steps())["gen_train_overlap"] for d in (off, on)]
-        spans = sum(1 for f in (on.path / "telemetry").glob("spans-*.jsonl")
-                    for _ in f.open())
-    ratios.sort()
-    measured = sorted(o for o in overlaps if o is not None)
-    return {"telemetry_overhead": round(ratios[len(ratios) // 2], 3),
-            "telemetry_overhead_pairs": [round(r, 3) for r in ratios],
-            "telemetry_spans_per_job": spans,
-            "short_jobs_gen_train_overlap": measured}
 
 
 def main() -> None:
@@ -176,8 +156,9 @@ def main() -> None:
     parser.add_argument("--builtin-config", default=str(ROOT / "configs" / "cpu-builtin.yaml"),
                         help="the same task on the built-in model, run after the main job "
                         "for the HF/built-in ratios ('' skips it)")
-    parser.add_argument("--overhead-pairs", type=int, default=3,
-                        help="off/on job pairs for telemetry_overhead (0: skip)")
+    parser.add_argument("--overhead-pairs", type=int, default=6,
+                        help="off/on job pairs for telemetry_overhead and "
+                        "telemetry_cpu_overhead, the order alternating (0: skip)")
     parser.add_argument("--smoke", action="store_true",
                         help="the smallest size (CI): the main job alone, two tiny RL steps")
     parser.add_argument("overrides", nargs="*")
@@ -206,9 +187,16 @@ def main() -> None:
                               "tool-use")
         out["tool_use_sandbox_calls"] = figures(tool_dir, 1.0)["sandbox_calls"]
     if args.overhead_pairs > 0:
-        out.update(telemetry_overhead(Path(args.config), parent, args.overhead_pairs))
+        tel = telemetry_figures(Path(args.config), OVERHEAD_OVERRIDES, parent,
+                                args.overhead_pairs)
+        out.update(telemetry_overhead=tel["telemetry_overhead"]["median"],
+                   telemetry_overhead_spread=tel["telemetry_overhead"],
+                   telemetry_cpu_overhead=tel["telemetry_cpu_overhead"]["median"],
+                   telemetry_cpu_overhead_spread=tel["telemetry_cpu_overhead"],
+                   telemetry_spans_per_job=tel["telemetry_spans_per_job"])
     out["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     targets = {"reward_end": ">= 0.9", "wall_s": "<= 600", "telemetry_overhead": "<= 1.03",
+               "telemetry_cpu_overhead": "<= 1.03",
                "reward_start": f"reward_end - reward_start >= 0.3 "
                                f"(measured {out['reward_end'] - out['reward_start']:.3f})"}
     print(f"run directory: {run_dir.path} ({result.status})")

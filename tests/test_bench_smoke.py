@@ -36,6 +36,7 @@ ELSEWHERE = {
     "replay.py": ("test_bench_replay.py", "--smoke"),
     "storage.py": ("test_bench_storage.py", "--smoke"),
     "supervision_frozen.py": ("test_bench_supervision.py", "--frozen-runs"),
+    "telemetry.py": ("test_bench_telemetry.py", "--smoke"),
     "verify.py": ("test_bench_verify.py", "--smoke"),
     "gpu/lane.py": ("test_bench_gpu_lane.py", "--size"),
     "gpu/megatron_parity.py": ("test_bench_megatron_parity.py", "--cpu-check"),
