@@ -10,11 +10,13 @@ Exporters: ``file`` (the default) writes one JSON object per finished span to
 ``RUN_DIR/telemetry/spans-<service>-<pid>.jsonl`` (one file per process: appends from many
 processes never interleave) and the driver's metrics to ``metrics-<pid>.jsonl``; ``console``
 prints the same to stdout; ``otlp`` sends both over OTLP/HTTP to a collector; ``none`` keeps
-the API as no-ops.  Spans are batched and written about every half second; a process killed
+the API as no-ops.  Finished spans go to a bounded queue (:class:`BoundedSpanQueue`) that a
+thread exports about every half second; ending a span never waits on the exporter, and a span
+that finds the queue full is dropped and counted (:func:`spans_dropped`).  A process killed
 by SIGKILL loses the spans of its last half second, never the job's other data.
 
 Sampling: tracing every rollout would cost the driver far more than the 3% budget (a span
-costs ~0.1 ms to create and export, and a rollout makes five), so rollouts are sampled by a
+costs ~35 µs of CPU to create and export, and a rollout makes five), so rollouts are sampled by a
 deterministic hash of their key (:func:`sampled`; ``sample_ratio``, default 2%): a traced
 rollout is traced whole, in every process, and the same rollout replayed after a failure is
 traced again.  Spans of an unsampled block cost a context-variable read.  Spans without a
@@ -36,8 +38,9 @@ import os
 import sys
 import threading
 import zlib
+from collections import deque
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,12 +50,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    SimpleSpanProcessor,
-    SpanExporter,
-)
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 
 log = logging.getLogger("erlay.telemetry")
 
@@ -112,11 +111,76 @@ def _line(span: ReadableSpan) -> str:
     return json.dumps(span_record(span), default=str) + "\n"
 
 
+class BoundedSpanQueue(SpanProcessor):
+    """Finished spans, exported off the hot path: ``on_end`` appends the span to a bounded
+    queue (no I/O, no lock, no wait); a daemon thread exports the queue in batches every
+    ``delay_s``.  When the queue is full (an exporter that stalls: a slow disk, a collector
+    that is down) the span is dropped and counted in :attr:`dropped`, never waited for; the
+    count is reported at shutdown and by :func:`spans_dropped`.  A burst that fills a batch
+    wakes the thread early, so a burst is exported, not dropped.  ``shutdown`` exports what
+    is queued, within ``timeout_s``."""
+
+    def __init__(self, exporter: SpanExporter, max_queue: int = 8192, batch: int = 512,
+                 delay_s: float = 0.5) -> None:
+        self._exporter = exporter
+        self._queue: deque[ReadableSpan] = deque()
+        self._max, self._batch, self._delay_s = max_queue, batch, delay_s
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._export_lock = threading.Lock()
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="erlay-span-export", daemon=True)
+        self._thread.start()
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self._stop.is_set() or len(self._queue) >= self._max:
+            self.dropped += 1   # a lost increment under a race undercounts by one, no more
+            return
+        self._queue.append(span)
+        if len(self._queue) >= self._batch and not self._wake.is_set():
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._delay_s)
+            self._wake.clear()
+            self._drain()
+
+    def _drain(self) -> None:
+        with self._export_lock:
+            while self._queue:
+                batch = [self._queue.popleft()
+                         for _ in range(min(self._batch, len(self._queue)))]
+                try:
+                    self._exporter.export(batch)
+                except Exception:  # an exporter that fails loses its batch, not the job
+                    log.warning("telemetry: exporting %d spans failed", len(batch),
+                                exc_info=True)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        self._drain()
+        return True
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._drain()
+        if self.dropped:
+            log.warning("telemetry: %d spans were dropped: the exporter fell behind (queue of "
+                        "%d full)", self.dropped, self._max)
+        self._exporter.shutdown()
+
+
 class _State:
     """This process's providers (guarded by ``lock``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.queue: BoundedSpanQueue | None = None
         self.provider: TracerProvider | None = None
         self.tracer: trace.Tracer = trace.NoOpTracer()
         self.settings: TelemetrySettings | None = None
@@ -145,8 +209,8 @@ def configure(settings: TelemetrySettings, service: str,
         provider = TracerProvider(resource=resource)
         exporter = _span_exporter(settings, service)
         if exporter is not None:
-            provider.add_span_processor(BatchSpanProcessor(
-                exporter, schedule_delay_millis=500, max_export_batch_size=512))
+            _state.queue = BoundedSpanQueue(exporter)
+            provider.add_span_processor(_state.queue)
         if extra is not None:
             provider.add_span_processor(SimpleSpanProcessor(extra))
         _state.provider = provider
@@ -225,7 +289,15 @@ def _shutdown_locked() -> None:
         f.close()
     _state.files = []
     _state.provider = None
+    _state.queue = None
     _state.tracer = trace.NoOpTracer()
+
+
+def spans_dropped() -> int:
+    """Spans this process dropped since telemetry was configured, because its exporter fell
+    behind (see :class:`BoundedSpanQueue`)."""
+    queue = _state.queue
+    return 0 if queue is None else queue.dropped
 
 
 def enabled() -> bool:
@@ -250,6 +322,8 @@ def carrier(span: trace.Span | None = None) -> Carrier | None:
     """The W3C trace context of ``span`` (default: the current span) as a dict to send
     along with a request; None when there is nothing to propagate (tracing off)."""
     if span is None:
+        if _state.provider is None or _quiet.get():
+            return None   # nothing is traced here: skip OpenTelemetry's context lookup
         span = trace.get_current_span()
     if not span.get_span_context().is_valid:
         return None
@@ -263,10 +337,29 @@ def parent_context(trace_carrier: Mapping[str, str] | None) -> otel_context.Cont
     return extract(dict(trace_carrier)) if trace_carrier else None
 
 
-@contextmanager
+class _Quiet:
+    """The block of an unsampled key: the spans under it (in this task) are skipped."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> trace.Span:
+        self._token = _quiet.set(True)
+        return trace.INVALID_SPAN
+
+    def __exit__(self, *_: object) -> None:
+        try:
+            _quiet.reset(self._token)
+        except ValueError:  # closed by the garbage collector outside its task
+            pass
+
+
+_NOTHING: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
+"""A block that records nothing (reusable: nullcontext keeps no state)."""
+
+
 def span(name: str, parent: Mapping[str, str] | None = None, *, root: bool = False,
          sample_key: str | None = None, child_only: bool = False,
-         **attributes: Any) -> Iterator[trace.Span]:
+         **attributes: Any) -> AbstractContextManager[trace.Span]:
     """A span around a block: a child of ``parent`` (a carrier from another process) if
     given, the root of a new trace if ``root``, else a child of the current span.
 
@@ -275,25 +368,28 @@ def span(name: str, parent: Mapping[str, str] | None = None, *, root: bool = Fal
     (a callee traces only the calls of traced work).  Attribute names get the ``erlay.``
     prefix; None values are left out.  An exception marks the span as an error and
     propagates.  Where nothing is recorded the block gets an invalid span, whose
-    :func:`carrier` is None."""
-    tracer_ = tracer()
+    :func:`carrier` is None.
+
+    Cost: a block that records nothing is a shared no-op context manager (no generator, no
+    OpenTelemetry call), and an unsampled key a slotted object and one context-variable set;
+    the driver pays one of these per rollout phase (profiled: ``bench/telemetry.py
+    --profile``)."""
+    if not _state.tried_env:
+        tracer()
     if (_state.provider is None or (child_only and not parent)
-            or (_quiet.get() and parent is None)):
-        yield trace.INVALID_SPAN
-        return
+            or (parent is None and _quiet.get())):
+        return _NOTHING
     if sample_key is not None and not sampled(sample_key):
-        token = _quiet.set(True)
-        try:
-            yield trace.INVALID_SPAN
-        finally:
-            try:
-                _quiet.reset(token)
-            except ValueError:  # closed by the garbage collector outside its task
-                pass
-        return
+        return _Quiet()
+    return _recorded(name, parent, root, attributes)
+
+
+@contextmanager
+def _recorded(name: str, parent: Mapping[str, str] | None, root: bool,
+              attributes: dict[str, Any]) -> Iterator[trace.Span]:
     attrs = {f"erlay.{k}": v for k, v in attributes.items() if v is not None}
     ctx = otel_context.Context() if root else parent_context(parent)
-    with tracer_.start_as_current_span(name, context=ctx, attributes=attrs) as current:
+    with _state.tracer.start_as_current_span(name, context=ctx, attributes=attrs) as current:
         yield current
 
 

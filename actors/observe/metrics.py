@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,17 +218,47 @@ class RayMetrics:
         if _finite(seconds) and seconds >= 0:
             self._record("generation_latency", "observe", float(seconds), {})
 
+    def generation_latencies(self, seconds: Sequence[float]) -> None:
+        """Observe a step's generation latencies (``erlay_generation_latency_seconds``) in
+        one call: the tags are built and checked once, not per value (Ray 2.60's
+        ``Histogram.observe`` merges and validates them on every call; the driver observes a
+        step's few hundred latencies at once).  Falls back to :meth:`generation_latency`
+        per value where Ray's internals differ."""
+        instruments = _STATE.get()
+        if instruments is None:
+            return
+        values = [float(s) for s in seconds if _finite(s) and s >= 0]
+        if not values:
+            return
+        histogram = instruments.generation_latency
+        if getattr(histogram, "_discard_metric", False):
+            return   # what observe() does for a name Ray refuses
+        try:
+            record = histogram._metric.record  # Ray 2.60: the core worker's metric
+            tags = histogram._get_final_tags({"run": self.run})
+            histogram._validate_tags(tags)
+        except Exception:  # noqa: BLE001 - another Ray: the public, per-value path
+            for value in values:
+                self.generation_latency(value)
+            return
+        try:
+            for value in values:
+                record(value, tags=tags)
+        except Exception as exc:  # noqa: BLE001 - a metrics failure must never reach the job
+            _STATE.disable(exc)
+
     def restart(self, domain: str, cause: str) -> None:
         """Count one restart of a child in ``domain`` for ``cause`` (``erlay_restarts_total``)."""
         self._inc("restarts", 1, domain=domain, cause=cause)
 
-    def sandbox_outcome(self, kind: str) -> None:
-        """Count one sandbox execution ending in ``kind`` (``erlay_sandbox_outcomes_total``)."""
-        self._inc("sandbox_outcomes", 1, kind=kind)
+    def sandbox_outcome(self, kind: str, n: int = 1) -> None:
+        """Count ``n`` sandbox executions ending in ``kind``
+        (``erlay_sandbox_outcomes_total``)."""
+        self._inc("sandbox_outcomes", n, kind=kind)
 
-    def judge_failure(self, kind: str) -> None:
-        """Count one failed judge call of ``kind`` (``erlay_judge_failures_total``)."""
-        self._inc("judge_failures", 1, kind=kind)
+    def judge_failure(self, kind: str, n: int = 1) -> None:
+        """Count ``n`` failed judge calls of ``kind`` (``erlay_judge_failures_total``)."""
+        self._inc("judge_failures", n, kind=kind)
 
     def time_lost(self, seconds: float, domain: str) -> None:
         """Add ``seconds`` lost to failures in ``domain`` (``erlay_time_lost_seconds_total``)."""

@@ -87,13 +87,13 @@ def test_every_metric_recorded_by_the_driver_reaches_prometheus(ray_fast_metrics
     metrics.rollouts(3)
     other_metrics.rollouts(2)
     metrics.tokens(120)
-    for seconds in (0.003, 0.2, 7.0, 200.0):
-        metrics.generation_latency(seconds)
+    metrics.generation_latency(0.003)
+    # A step's latencies in one call (the driver's path); the non-finite and negative dropped.
+    metrics.generation_latencies([0.2, 7.0, float("nan"), -1.0, 200.0])
     metrics.restart("generation", "crash")
     metrics.restart("generation", "crash")
     metrics.restart("sandbox", "hang")
-    metrics.sandbox_outcome("ok")
-    metrics.sandbox_outcome("ok")
+    metrics.sandbox_outcome("ok", 2)       # a step's worth at once, as the hub exports them
     metrics.sandbox_outcome("timeout")
     metrics.judge_failure("timeout")
     metrics.time_lost(1.5, "generation")
