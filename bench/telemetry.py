@@ -158,6 +158,8 @@ def cpu_by_role(samples: list[dict[str, Any]], start: float, end: float) -> dict
             roles[pid] = role
     out: dict[str, float] = defaultdict(float)
     for pid, points in series.items():
+        if points[0][0] > end:
+            continue   # born after the window
         if points[0][0] > start and points[0][1] > 0:
             # First seen inside the window: its CPU before the first sample is in the window
             # too (a process born in it), so count from 0 at its first sight.

@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -149,8 +150,12 @@ class BoundedSpanQueue(SpanProcessor):
             self._wake.clear()
             self._drain()
 
-    def _drain(self) -> None:
-        with self._export_lock:
+    def _drain(self, timeout_s: float | None = None) -> bool:
+        """Export what is queued; False if an export already in flight (another thread's)
+        did not end within ``timeout_s`` (None: wait for it)."""
+        if not self._export_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            return False
+        try:
             while self._queue:
                 batch = [self._queue.popleft()
                          for _ in range(min(self._batch, len(self._queue)))]
@@ -159,20 +164,31 @@ class BoundedSpanQueue(SpanProcessor):
                 except Exception:  # an exporter that fails loses its batch, not the job
                     log.warning("telemetry: exporting %d spans failed", len(batch),
                                 exc_info=True)
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        self._drain()
+        finally:
+            self._export_lock.release()
         return True
 
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._drain(timeout_millis / 1000)
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread and export what is queued, all within ``timeout_s``: an exporter
+        stuck in a call (a collector that stopped answering) costs its spans, not the
+        process's exit."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
-        self._drain()
+        if not self._drain(max(0.0, deadline - time.monotonic())):
+            self.dropped += len(self._queue)
+            self._queue.clear()
+            log.warning("telemetry: the span exporter did not finish within %.0f s; the "
+                        "spans still queued are dropped", timeout_s)
+        else:
+            self._exporter.shutdown()
         if self.dropped:
-            log.warning("telemetry: %d spans were dropped: the exporter fell behind (queue of "
-                        "%d full)", self.dropped, self._max)
-        self._exporter.shutdown()
+            log.warning("telemetry: %d spans were dropped: the exporter fell behind or stopped "
+                        "(queue of %d)", self.dropped, self._max)
 
 
 class _State:

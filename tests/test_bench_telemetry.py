@@ -70,7 +70,9 @@ def test_the_window_holds_each_roles_cpu_and_ray_is_apart() -> None:
 
 
 def test_a_process_born_inside_the_window_counts_from_zero() -> None:
-    lines = [line(10.0), line(14.0, p5=("children", 1.0)), line(20.0, p5=("children", 3.0))]
+    lines = [line(10.0), line(14.0, p5=("children", 1.0)), line(20.0, p5=("children", 3.0)),
+             line(22.0, p5=("children", 4.0), p6=("children", 9.0))]
+    # p5 born inside counts from 0; p6, born after the window's end, counts nothing.
     assert bench.cpu_by_role(lines, 10.0, 20.0)["children"] == pytest.approx(3.0)
 
 

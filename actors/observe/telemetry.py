@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from erlay.actors.config import TelemetrySection
 from erlay.actors.observe.attribution import DOMAINS
@@ -43,6 +43,9 @@ from erlay.actors.observe.goodput import goodput as goodput_of
 from erlay.actors.observe.metrics import zero_series
 from erlay.supervisor import telemetry
 from erlay.supervisor.otel import TracingEventSink
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricsData
 
 log = logging.getLogger("erlay.telemetry")
 
@@ -61,7 +64,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return float(ordered[min(len(ordered) - 1, max(0, rank))])
 
 
-def metrics_json(data: Any) -> str:
+def metrics_json(data: MetricsData) -> str:
     """One line of JSON for an OpenTelemetry ``MetricsData``: the object its ``to_json``
     writes, built in one pass.  The SDK's ``to_json`` serialises every level to a string and
     parses it back into its parent (data point, metric, scope, resource), which made the

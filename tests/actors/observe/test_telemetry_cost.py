@@ -93,6 +93,25 @@ def test_a_stalled_exporter_drops_and_counts_spans_and_never_blocks_the_caller()
     assert queue.dropped == 15
 
 
+def test_shutdown_behind_an_exporter_that_never_returns_ends_within_its_timeout() -> None:
+    stalled = _Stalled()
+    queue = telemetry.BoundedSpanQueue(stalled, max_queue=10, batch=4, delay_s=0.05)
+    provider = TracerProvider()
+    provider.add_span_processor(queue)
+    tracer = provider.get_tracer("t")
+    tracer.start_span("first").end()
+    deadline = time.monotonic() + 5
+    while queue._queue and time.monotonic() < deadline:   # the worker took it and is stuck
+        time.sleep(0.01)
+    for i in range(3):
+        tracer.start_span(f"s{i}").end()
+    started = time.monotonic()
+    queue.shutdown(timeout_s=0.5)
+    assert time.monotonic() - started < 2.0
+    assert queue.dropped == 3                     # the queued spans, counted, not waited for
+    stalled.release.set()
+
+
 def test_an_exporter_that_raises_loses_its_batch_not_the_process(
         caplog: pytest.LogCaptureFixture) -> None:
     class FailsOnce(SpanExporter):
