@@ -2,6 +2,7 @@
 
   erlay run CONFIG [key.sub=value ...]   run an RL job (local Ray, or --address / RAY_ADDRESS)
   erlay run --resume RUN_DIR [...]        continue a killed run from its checkpoint and journal
+  erlay run --dry-run CONFIG [...]        each role's predicted memory; starts nothing
   erlay journal inspect RUN_DIR           rollouts by state; --rollout ID for one's history
   erlay status [--watch | --json]         the live tree of a running job
   erlay report RUN_DIR                    a Markdown report with plots of a finished or
@@ -29,8 +30,10 @@ if TYPE_CHECKING:
 class RunCommand:
     """``erlay run``: 0 when every configured step trained; 1 when the job failed at run
     time (a domain failed, the root escalated, a plug-in kept failing, the job stalled);
-    2 for a bad config or plug-in, or a ``run.run_dir`` that is not new or empty, found before
-    anything started.  The first line is the run directory's absolute path; the last names
+    2 for a bad config or plug-in, a ``run.run_dir`` that is not new or empty, or a role
+    predicted not to fit ``placement.gpu_memory_gib``, found before anything started.
+    ``--dry-run`` prints each role's memory estimate and starts nothing (0, or 2 as above).
+    The first line is the run directory's absolute path; the last names
     the domain and the cause."""
 
     name: str = "run"
@@ -49,6 +52,10 @@ class RunCommand:
                             "(killed, even by SIGKILL) from its last checkpoint and its "
                             "journal; CONFIG is then the run's own config.yaml, and overrides "
                             "still apply")
+        parser.add_argument("--dry-run", action="store_true", help="print each role's "
+                            "predicted memory and the device it lands on, refuse (exit 2) a "
+                            "placement that cannot fit placement.gpu_memory_gib, and start "
+                            "nothing")
 
     def run(self, args: argparse.Namespace) -> int:
         from erlay.actors.config import ConfigError, load_config
@@ -56,6 +63,8 @@ class RunCommand:
         from erlay.supervisor.errors import ErlayError
         overrides = list(args.overrides)
         config = args.config
+        if args.dry_run and not args.resume:
+            return self._dry_run(config, overrides)
         if args.resume:
             if config is not None and "=" in config:  # `run --resume DIR a.b=1`
                 overrides.insert(0, config)
@@ -84,6 +93,9 @@ class RunCommand:
                 url = None if cfg.run.run_dir else remote_storage(cfg.run.storage, os.environ)
                 if url is not None:   # a missing bucket, refused credentials: said now
                     prepare_remote(url)
+            if cfg.placement.gpu_memory_gib is not None:   # a placement that cannot fit
+                from erlay.actors.job.memory_model import plan
+                plan(cfg)
             from erlay.actors.job.preflight import preflight
             preflight(cfg)
         except (ConfigError, RunDirError, StorageError) as exc:
@@ -113,6 +125,23 @@ class RunCommand:
             print(f"erlay: job failed{where}: {result.reason}", file=sys.stderr)
             return 1
         print(f"erlay: finished: {cfg.run.steps} steps trained; {run_dir.location}")
+        return 0
+
+    @staticmethod
+    def _dry_run(config: str | None, overrides: list[str]) -> int:
+        """``--dry-run``: the memory plan (:mod:`erlay.actors.job.memory_model`), printed; 2
+        for a bad config or a role that cannot fit its GPU.  No Ray, no model weights."""
+        from erlay.actors.config import ConfigError, load_config
+        from erlay.actors.job.memory_model import plan, render
+        if config is None:
+            print("erlay: run --dry-run needs a CONFIG", file=sys.stderr)
+            return 2
+        try:
+            cfg = load_config(config, overrides)
+            print(render(cfg, plan(cfg)))
+        except ConfigError as exc:
+            print(f"erlay: {exc}", file=sys.stderr)
+            return 2
         return 0
 
     @staticmethod

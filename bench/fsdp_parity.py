@@ -227,14 +227,18 @@ def max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def run_parity(spec: dict[str, Any], *, world: int = 2, batch: TrainBatch | None = None,
                options: dict[str, Any] | None = None, perturb: float = 0.0,
-               tolerance: float = TOLERANCE) -> dict[str, Any]:
+               tolerance: float = TOLERANCE,
+               rank_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The equivalence check (module docstring).  ``options`` are LearnerCore keywords shared
-    by both sides (seed, lr, max_grad_norm, ...).  Returns ``{max_abs_diff, equivalent,
-    grad_norm: {whole, fsdp2}, bytes: [per rank]}``."""
+    by both sides (seed, lr, max_grad_norm, ...); ``rank_options`` apply to the fsdp2 ranks
+    only (``micro_batch_tokens``: the ranks accumulate micro-batches, the whole learner takes
+    one pass).  Returns ``{max_abs_diff, equivalent, grad_norm: {whole, fsdp2}, bytes: [per
+    rank]}``."""
     options = {"lr": 1e-4, "max_grad_norm": 1.0, **(options or {})}
     batch = batch or parity_batch(vocab_of(spec))
     whole, whole_norm = whole_step(spec, batch, options)
-    ranks = spawn_ranks(world, fsdp_rank_step, spec, batch, options, perturb)
+    ranks = spawn_ranks(world, fsdp_rank_step, spec, batch, {**options, **(rank_options or {})},
+                        perturb)
     diff = max_abs_diff(whole, ranks[0]["weights"])
     norm_gap = abs(ranks[0]["grad_norm"] - whole_norm) / max(abs(whole_norm), 1e-30)
     return {"max_abs_diff": diff, "equivalent": diff <= tolerance and norm_gap <= tolerance,

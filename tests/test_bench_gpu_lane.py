@@ -25,7 +25,8 @@ FIGURES = {"mtp": {"speedup", "best_k", "acceptance", "greedy_identical", "wall_
            "checkpoint": {"exposed_ratio", "exposed_s", "sync_s", "persist_s", "restored",
                           "state_mb"},
            "learner": {"step_s", "first_step_s", "tokens_per_s", "model_params",
-                       "loss_finite"}}
+                       "loss_finite"},
+           "colocated": {"stages", "kv_cache_gib", "refit_tensors", "all_finished"}}
 
 
 def run_lane(tmp_path: Path, *args: str, allow: str | None = "base",

@@ -1,7 +1,8 @@
 """The job's configuration: one typed pydantic model, validated once at load time.
 
 The room: this module is the model and its loader; its sections of their own are
-:mod:`.data` (``data``), :mod:`.learner` (``learner``), :mod:`.logging` (``logging``), and
+:mod:`.data` (``data``), :mod:`.learner` (``learner``), :mod:`.logging` (``logging``),
+:mod:`.placement` (``placement``), and
 :mod:`.reference` writes ``docs/configuration.md`` from the fields.
 
 ``load_config(path, overrides)`` reads YAML, applies ``key.sub=value`` overrides, validates,
@@ -49,6 +50,7 @@ from erlay.actors.config.data import DataSection
 from erlay.actors.config.handoff import KVHandoffSection
 from erlay.actors.config.learner import LearnerSection
 from erlay.actors.config.logging import LoggingSection
+from erlay.actors.config.placement import PlacementSection, colocation_fits
 from erlay.supervisor.errors import ErlayError
 from erlay.supervisor.imports import import_path
 
@@ -139,7 +141,8 @@ class ModelSection(Section):
         "pretrained", description="hf: load the directory's weights, or initialise randomly "
         "from its config with run.seed (also what a directory without weights gets)")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="hf: parameter dtype of the learner and the torch engine")
+        "float32", description="hf: the serving dtype: the torch engine's weights and the "
+        "weights the learner publishes; the learner's own follow learner.precision")
     trust_remote_code: bool = Field(False, description="hf: run the model's own modelling "
                                     "code (transformers' trust_remote_code)")
     lora: LoraSection | None = Field(None, description="hf: train LoRA adapters instead of "
@@ -479,6 +482,8 @@ class JobConfig(Section):
     telemetry: TelemetrySection = TelemetrySection()
     logging: LoggingSection = LoggingSection()
     node: NodeSection = NodeSection()
+    placement: PlacementSection = PlacementSection()
+    _colocation = model_validator(mode="after")(colocation_fits)   # config/placement.py
 
     @model_validator(mode="after")
     def _speculation(self) -> JobConfig:

@@ -64,6 +64,20 @@ class LearnerSection(Section):
                            "reinforce_pp folds it into the reward, the others add a loss term")
     minibatches: int = Field(1, ge=1, description="optimizer steps per RL step, each on a "
                              "contiguous slice of the batch")
+    micro_batch_tokens: int = Field(16384, ge=1, description="token budget of one forward/"
+                                    "backward pass (rows x their padded length); a "
+                                    "minibatch is packed into micro-batches up to it and "
+                                    "their gradients accumulate to one optimizer step. It "
+                                    "bounds activation memory (docs/scaling.md)")
+    logits_chunk_mb: int = Field(256, ge=1, description="MiB of fp32 logits computed at "
+                                 "once when scoring tokens (the [tokens, vocab] tensor is "
+                                 "never whole)")
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = Field(
+        "auto", description="fp32; bf16-mixed (fp32 master weights and optimizer state, "
+        "bf16 compute); bf16 (bf16 weights and state); auto = bf16-mixed on cuda, fp32 on cpu")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder "
+                                           "layer's activations in backward instead of "
+                                           "keeping them (less memory, ~1/3 more compute)")
     torch_threads: int = Field(1, ge=1, description="torch threads of each learner process")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where each "
                         "rank keeps the model and computes: cpu, or cuda (the rank's GPU; set "

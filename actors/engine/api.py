@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
+from erlay.actors.model.errors import WeightsMismatch as WeightsMismatch  # re-exported
 from erlay.supervisor.errors import ErlayError
 
 
@@ -66,9 +67,10 @@ class ContextTooLong(InvalidRequest):
                              self.max_seq_len))
 
 
-class WeightsMismatch(ErlayError, ValueError):
-    """A weight update does not fit the served model (missing, unexpected or reshaped tensors);
-    nothing was loaded."""
+class RefitUnavailable(ErlayError):
+    """A refit's bucket could not be fetched (its object lost or freed, its owner gone, or
+    no answer within the per-bucket deadline); nothing was loaded and the engine keeps the
+    version it served."""
 
 
 class EngineFailed(ErlayError):
@@ -84,6 +86,14 @@ class EngineFailed(ErlayError):
     (:func:`erlay.actors.job.domains.engine_failed_at` reads it)."""
 
     failed_at: float | None = None
+
+
+class EngineAsleep(ErlayError):
+    """The engine is asleep (its KV cache given up for a colocated learner's step, see
+    :meth:`EngineProtocol.sleep`) and refuses new requests until it wakes.  Not a failure of
+    the engine: the rollout side reads it as a refusal and asks again later or elsewhere
+    (:class:`erlay.actors.job.domains.EngineRequestFailed`).  Requests it held when it fell
+    asleep are kept and continue after the wake."""
 
 
 def _number(value: Any, kind: type[int] | type[float], what: str) -> Any:
@@ -256,6 +266,8 @@ class EngineStats:
     max_batch: int                # configured limit
     max_batch_size: int           # largest batch decoded so far
     mean_batch_size: float        # tokens_generated per decode step
+    sleeps: int = 0               # sleep() calls that put the engine to sleep
+    wakes: int = 0                # wake_up() calls that made it whole again
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -298,9 +310,12 @@ class EngineProtocol(Protocol):
         False when the engine holds no such request."""
         ...
 
-    async def update_weights(self, version: int, state: dict[str, Any]) -> int:
-        """Serve ``state`` (numpy arrays by parameter name) as ``version`` from the next step
-        on; returns the version now served."""
+    async def update_weights(self, refit: Any) -> int:
+        """Serve ``refit`` (an :class:`erlay.actors.model.refit.Refit`: a manifest and one
+        object-store ref per bucket) as its version from the next step on; returns the version
+        now served.  The manifest is checked and every bucket fetched (each under a deadline)
+        before anything is written: a refit that fails raises (:class:`WeightsMismatch`,
+        :class:`RefitUnavailable`) and leaves the engine on its old version."""
         ...
 
     async def version(self) -> int:
@@ -309,4 +324,18 @@ class EngineProtocol(Protocol):
 
     async def stats(self) -> dict[str, Any]:
         """An :class:`EngineStats` dict."""
+        ...
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Give the device memory back for a colocated learner's step: the KV cache always,
+        at vLLM ``level`` 1 the weights too (offloaded to host memory), at ``level`` 2 the
+        weights discarded (the next refit must replace them all).  Held requests are kept
+        (continued after the wake, prefilled again); new ones fail with
+        :class:`EngineAsleep`.  Idempotent; returns ``{"asleep": True, ...}``."""
+        ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Take the memory back: ``["weights"]`` first (so a refit has parameters to load
+        into), then ``["kv_cache"]`` after the refit; ``None`` is both.  The engine serves
+        again once both are back.  Idempotent; returns ``{"asleep": bool, ...}``."""
         ...

@@ -12,7 +12,7 @@ directory, which errs toward leaking one directory over deleting a live one.  Di
 another host (a shared ``/dev/shm`` across containers) and names not in this form (other
 tools, older erlay) are left alone.
 
-:func:`stage_weights` writes one weight update into such a directory.
+:func:`stage_bucket` writes one bucket of a weight update into such a directory.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from erlay.actors.model.hf_export import hf_state
+
+if TYPE_CHECKING:
+    from erlay.actors.model.refit import Bucket
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +98,22 @@ def sweep(root: str | None = None, host: str | None = None,
     return removed
 
 
-def stage_weights(path: str, state: dict[str, Any], hf: bool) -> None:
-    """Write ``state`` for the workers' ``load_weights``: an HF model's names as they are
+def stage_bucket(path: str, bucket: Bucket, buffer: Any, hf: bool) -> int:
+    """Write one refit bucket (:mod:`erlay.actors.model.refit`) for the workers'
+    ``load_weights``, in its own dtype (bf16 included): an HF model's names as they are
     (without erlay's ``mtp.*`` heads, which vLLM does not serve), the built-in model's
-    renamed to GPT-2's."""
-    from safetensors.numpy import save_file
-
-    named = {k: v for k, v in state.items() if not k.startswith("mtp.")} if hf \
-        else hf_state(state)
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in named.items()}, path)
+    renamed to GPT-2's.  Returns the tensors written; a bucket of none writes no file."""
+    from erlay.actors.model.refit import bucket_views  # torch: only when a refit comes
+    views = {slot.name: view for slot, view in bucket_views(bucket, buffer)
+             if not slot.name.startswith("mtp.")}
+    if not views:
+        return 0
+    if hf:
+        from safetensors.torch import save_file as save_torch
+        # Copies, one bucket's worth: views of one buffer share memory, which safetensors
+        # refuses to save.
+        save_torch({k: v.clone() for k, v in views.items()}, path)
+    else:
+        from safetensors.numpy import save_file
+        save_file(hf_state({k: v.float().numpy() for k, v in views.items()}), path)
+    return len(views)

@@ -16,8 +16,12 @@ Contracts:
   engine cannot serve fails on the caller's first ``await ref`` with
   :class:`~erlay.actors.engine.api.InvalidRequest` (a ValueError).  A ``generate`` call that is
   cancelled in the actor, or whose generator is closed early, aborts its request.
-- **Weight updates**: applied between steps.  Every token not yet streamed is flushed first,
-  tagged with the old version, so no chunk mixes versions.  Running requests are then
+- **Weight updates** (a :class:`~erlay.actors.model.refit.Refit`): checked and every bucket
+  fetched (each under ``refit_bucket_timeout_s``) before it is queued, so one that fails
+  leaves the old version and weights; then copied into the parameters in place between
+  steps (:mod:`~erlay.actors.engine.refit_load`); a failure mid-copy fails the engine.
+  LoRA adapters stay unmerged: a refit moves them alone.  Every token not yet streamed is
+  flushed first, tagged with the old version, so no chunk mixes versions.  Running requests are then
   prefilled again under the new weights instead of reusing the old KV cache: the tokens after
   the update are exactly what a resume from the streamed prefix would produce on any engine
   serving the new version, which keeps the replay invariant.  Updates queued during one step
@@ -74,7 +78,6 @@ from erlay.actors.engine.api import (
     GenerationRequest,
     InvalidRequest,
     TokenChunk,
-    WeightsMismatch,
     drain_chunks,
 )
 from erlay.actors.engine.boot import BootTimeline, process_started
@@ -85,9 +88,23 @@ from erlay.actors.engine.core import (
     run_to_completion,
     validate_request,
 )
+from erlay.actors.engine.dormancy import Dormancy, free_device_cache, wake_tags
 from erlay.actors.engine.kv_saver import KVHandoff
+from erlay.actors.engine.refit_load import (
+    DEFAULT_BUCKET_TIMEOUT_S,
+    check_state,
+    fetch_buckets,
+    load_state,
+)
 from erlay.actors.engine.tail import TailWindow
-from erlay.actors.model.build import Policy, build_policy, load_engine_state
+from erlay.actors.model.build import Policy, build_policy
+from erlay.actors.model.refit import (
+    Refit,
+    RefitManifest,
+    check_manifest,
+    copy_bucket,
+    refit_targets,
+)
 from erlay.supervisor import failpoints, telemetry
 from erlay.supervisor.failpoints import afailpoint
 from erlay.supervisor.progress import Progress
@@ -118,20 +135,6 @@ class _Counters:
     decode_steps: int = 0
     weight_updates: int = 0
     max_batch_size: int = 0
-
-
-def check_state(model: Policy, state: dict[str, Any]) -> None:
-    """Raise :class:`WeightsMismatch` unless ``state`` has exactly the model's tensors and
-    shapes.  Checked before loading, because ``load_state_dict`` copies tensor by tensor and a
-    late mismatch would leave the model half-updated."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    reshaped = sorted(k for k in set(expected) & set(state)
-                      if tuple(np.shape(state[k])) != expected[k])
-    if missing or unexpected or reshaped:
-        raise WeightsMismatch(f"weights do not fit the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}, reshaped {reshaped[:5]}")
 
 
 def _handoff(model: Policy, options: dict[str, Any] | None, slots: int) -> KVHandoff | None:
@@ -165,13 +168,6 @@ def warm_up(model: Policy) -> None:
                                                  stop_ids=())])
 
 
-def _load(model: Policy, state: dict[str, Any]) -> None:
-    arrays = {k: np.asarray(v) for k, v in state.items()}
-    # Arrays from the Ray object store are read-only, and torch warns on wrapping those.
-    load_engine_state(model, {k: a if a.flags.writeable else a.copy()
-                              for k, a in arrays.items()})
-
-
 class TorchEngine:
     """Async Ray actor class (all public methods async) run by the supervisor as an ActorStart
     child.  See the module docstring for the contracts."""
@@ -180,7 +176,8 @@ class TorchEngine:
                  torch_threads: int = 1, initial_state: dict[str, Any] | None = None,
                  version: int = 0, seed: int = 0, spec_k: int = 0,
                  spec_max_concurrency: int = 0, spec_verify: str = "coupled",
-                 spec_draft: str = "argmax", kv_handoff: dict[str, Any] | None = None) -> None:
+                 spec_draft: str = "argmax", kv_handoff: dict[str, Any] | None = None,
+                 refit_bucket_timeout_s: float = DEFAULT_BUCKET_TIMEOUT_S) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if spec_k and not model_config.get("mtp_heads"):
@@ -205,11 +202,15 @@ class TorchEngine:
         self.boot.mark("init_started")
         # Explicit, because the engine shares a couple of cores with everything else.
         torch.set_num_threads(torch_threads)
-        self.model = build_policy(model_config, seed=seed, for_engine=True).eval()
+        # Not for_engine: a LoRA policy keeps its peft adapters unmerged, so a refit moves
+        # the adapters alone (refit_tensors).
+        self.model = build_policy(model_config, seed=seed).eval()
         self.config = self.model.cfg
+        self._targets, self._aliases = refit_targets(self.model)
+        self.refit_bucket_timeout_s = refit_bucket_timeout_s
         if initial_state is not None:
             check_state(self.model, initial_state)
-            _load(self.model, initial_state)
+            load_state(self.model, initial_state)
         self.boot.mark("model_built")
         warm_up(self.model)   # DecodeBatch runs under inference mode itself
         self.boot.mark("warmed")
@@ -219,8 +220,9 @@ class TorchEngine:
         self._batch = DecodeBatch(self.model)
         self._pending: deque[Sequence] = deque()
         self._streams: dict[str, _Stream] = {}
-        self._update: tuple[int, dict[str, Any]] | None = None
+        self._update: tuple[RefitManifest, list[np.ndarray]] | None = None
         self._update_waiters: list[asyncio.Future[int]] = []
+        self._dormancy = Dormancy()   # colocated placement: sleep / wake_up
         self._wake = asyncio.Event()
         self._failed = asyncio.Event()
         self._failure: EngineFailed | None = None
@@ -284,14 +286,20 @@ class TorchEngine:
         self._abort(stream)
         return True
 
-    async def update_weights(self, version: int, state: dict[str, Any]) -> int:
-        """Serve ``state`` as ``version`` from the next step on; returns the version served."""
+    async def update_weights(self, refit: Refit) -> int:
+        """Serve ``refit`` as its version from the next step on; returns the version served.
+
+        Checked and fetched whole before it is queued (module docstring): WeightsMismatch or
+        RefitUnavailable leave the engine on its old version and weights."""
         self._raise_if_failed()
-        check_state(self.model, state)
-        if version < self._version:
-            log.warning("weights v%d replace newer v%d", version, self._version)
+        manifest = refit.manifest
+        check_manifest(self.model, manifest)
+        buffers = await fetch_buckets(refit, self.refit_bucket_timeout_s)
+        self._raise_if_failed()   # it may have failed while the buckets came
+        if manifest.version < self._version:
+            log.warning("weights v%d replace newer v%d", manifest.version, self._version)
         waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._update = (int(version), state)
+        self._update = (manifest, buffers)
         self._update_waiters.append(waiter)
         self._ensure_loop()
         self._wake.set()
@@ -329,7 +337,40 @@ class TorchEngine:
             pending=len(self._pending), max_batch=self.max_batch,
             max_batch_size=c.max_batch_size,
             mean_batch_size=round(c.tokens_generated / c.decode_steps, 3)
-            if c.decode_steps else 0.0).to_dict()
+            if c.decode_steps else 0.0, sleeps=self._dormancy.sleeps,
+            wakes=self._dormancy.wakes).to_dict()
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Give the decoding memory back (EngineProtocol.sleep): between two decode steps
+        the batch's KV cache and its per-row logits and hidden states are dropped and, on
+        CUDA, the allocator's free blocks returned.  ``level`` is vLLM's; this engine keeps
+        its weights at either (they are what the refit copies into).  Requests it held wait,
+        flushed, at the head of its queue and are prefilled again after the wake: sampling
+        is seeded by position, so their tokens are those of an unbroken run.  Returns once
+        the cache is gone, with ``cache_bytes`` (0)."""
+        self._raise_if_failed()
+        waiter = self._dormancy.fall_asleep(level)
+        self._ensure_loop()
+        self._wake.set()
+        await waiter
+        return self._dormancy.report(cache_bytes=self._cache_bytes())
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Serve again once ``tags`` bring the KV cache back (EngineProtocol.wake_up;
+        ``["weights"]`` alone changes nothing here: they never left).  The cache is built
+        by the next admission, as for any new batch."""
+        self._raise_if_failed()
+        if self._dormancy.wake(wake_tags(tags)):
+            self._wake.set()
+        return self._dormancy.report(cache_bytes=self._cache_bytes())
+
+    def _cache_bytes(self) -> int:
+        """Bytes of the decoding batch's KV cache and per-row state now."""
+        batch = self._batch
+        if not batch.rows:
+            return 0
+        keys, values, mask, hidden, _ = batch.kv_views()
+        return sum(t.numel() * t.element_size() for t in (*keys, *values, mask, hidden))
 
     # ------------------------------------------------------------------ supervisor hooks
     async def erlay_wait(self) -> dict[str, Any]:
@@ -350,6 +391,7 @@ class TorchEngine:
     def _submit(self, request: GenerationRequest,
                 queue: asyncio.Queue[TokenChunk | BaseException] | None = None) -> _Stream:
         self._raise_if_failed()
+        self._dormancy.refuse(request.request_id)
         validate_request(request, self.config.vocab_size, self.config.max_seq_len)
         if request.request_id in self._streams:
             raise InvalidRequest(f"request {request.request_id} is already being generated")
@@ -403,6 +445,9 @@ class TorchEngine:
                 if self._update is not None:
                     await self._apply_update()
                 self._apply_aborts()
+                if self._dormancy.asleep:
+                    await self._doze()
+                    continue
                 if not self._batch.rows and not self._pending:
                     self._set_phase(None)
                     if self._update is None:
@@ -489,18 +534,36 @@ class TorchEngine:
         for seq in aborted:
             self._publish(seq)
 
+    async def _doze(self) -> None:
+        """The loop while asleep.  A sleep call waiting: release the batch (its requests,
+        flushed, back to the head of the queue), free the device memory, answer the call.
+        Then wait for a wake-up, a weight update or a new sleep call."""
+        if self._dormancy.due:
+            for seq in self._batch.rows:
+                self._publish(seq, flush=True)
+            self._pending.extendleft(reversed(self._batch.release()))
+            self._batch.fed = None
+            on_cuda = next(self.model.parameters()).is_cuda
+            await asyncio.to_thread(free_device_cache, on_cuda)
+            self._dormancy.released()
+        self._set_phase(None)   # asleep is idle: no decode deadline runs
+        if self._dormancy.asleep and self._update is None and not self._dormancy.due:
+            self._wake.clear()
+            await self._wake.wait()
+
     async def _apply_update(self) -> None:
         assert self._update is not None
         # Flush first: everything sampled so far belongs to the old version.
         for seq in self._batch.rows:
             self._publish(seq, flush=True)
-        version, state = self._update
+        manifest, buffers = self._update
+        version = manifest.version
         waiters, self._update_waiters = self._update_waiters, []
         self._update = None
         self._set_phase("weight_update", f"v{version}")
         try:
             await afailpoint("generation.weight_update")
-            await asyncio.to_thread(_load, self.model, state)
+            await asyncio.to_thread(self._copy_in, manifest, buffers)
         except BaseException as exc:
             for waiter in waiters:
                 if not waiter.done():
@@ -517,6 +580,12 @@ class TorchEngine:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(version)
+
+    def _copy_in(self, manifest: RefitManifest, buffers: list[np.ndarray]) -> None:
+        """Phase 2 of a refit (worker thread): each fetched bucket into the parameters in
+        place.  A failure here propagates to the decode loop, which fails the engine."""
+        for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
+            copy_bucket(self._targets, self._aliases, bucket, buffer)
 
     def _publish(self, seq: Sequence, *, flush: bool = False) -> None:
         """Hand ``seq``'s due chunk to its stream; forget the stream once it finished."""
@@ -569,5 +638,6 @@ class TorchEngine:
             if not waiter.done():
                 waiter.set_exception(self._failure)
         self._update_waiters = []
+        self._dormancy.fail(self._failure)
         self._set_phase(None)
         self._failed.set()

@@ -61,6 +61,7 @@ Contracts (beyond :mod:`erlay.actors.engine.api`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -70,30 +71,32 @@ import time
 import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from erlay.actors.engine import staging, vllm_cpu
 from erlay.actors.engine.api import (
+    EngineAsleep,
     EngineFailed,
     EngineStats,
     FinishReason,
     GenerationRequest,
     InvalidRequest,
     TokenChunk,
-    WeightsMismatch,
     drain_chunks,
 )
 from erlay.actors.engine.boot import BootTimeline, process_started
 from erlay.actors.engine.core import validate_request
 from erlay.actors.engine.core_watch import ExitWatch, core_processes, engine_core_pid
+from erlay.actors.engine.dormancy import Dormancy, wake_tags
 from erlay.actors.engine.vllm_warmup import warm_up
 from erlay.actors.model.build import is_hf
 from erlay.actors.model.hf_export import read_model_dir, write_model_dir
 from erlay.supervisor.procs import OwnGroup
 from erlay.supervisor.progress import Progress
 from erlay.supervisor.reason import ExitKind, ExitReason
+
+if TYPE_CHECKING:
+    from erlay.actors.model.refit import Refit
 
 log = logging.getLogger("erlay.engine")
 
@@ -160,10 +163,15 @@ class VllmEngine:
         self._llm: Any = None
         self._stage: str | None = None
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._optional: frozenset[str] = frozenset()   # tied names a refit sends once
         self._requests: dict[str, _Request] = {}
         self._open = asyncio.Event()      # closed while weights load
         self._open.set()
         self._update_lock = asyncio.Lock()
+        self._dormancy = Dormancy()       # colocated placement: sleep / wake_up
+        self._awake = asyncio.Event()     # cleared while asleep: held requests wait
+        self._awake.set()
+        self._refit_mark: int | None = None   # weight_updates at a level-2 sleep
         self._failed = asyncio.Event()
         self._failure: EngineFailed | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -299,34 +307,54 @@ class VllmEngine:
         await self._abort(req)
         return True
 
-    async def update_weights(self, version: int, state: dict[str, Any]) -> int:
-        """Serve ``state`` (``publish_state``'s output: HF names for an HF model, erlay's for
-        the built-in one) as ``version``; returns the version served."""
+    async def update_weights(self, refit: Refit) -> int:
+        """Serve ``refit`` (HF names for an HF model, LoRA merged in; erlay's for the built-in
+        one) as its version; returns the version served.
+
+        Checked first; then each bucket is fetched (under ``rpc_timeout_s``) and staged as a
+        safetensors file in the serving dtype, one bucket in memory at a time, while the
+        engine still serves; only once every bucket is staged are running requests cut and
+        the files loaded in one ``reload_weights``.  A failed fetch (RefitUnavailable) leaves
+        the served model and its version untouched."""
+        from erlay.actors.engine.refit_load import check_refs, fetch_bucket
+        from erlay.actors.model.refit import check_shapes  # torch: not at import (boot)
+
         self._raise_if_failed()
-        self._check_state(state)
+        version = refit.version
+        check_refs(refit)
+        check_shapes(self._shapes, refit.manifest, optional=self._optional,
+                     ignored=("mtp.",))   # erlay's draft heads: not served
         async with self._update_lock:
             self.progress.begin("weight_update", work=f"v{version}")
-            self._open.clear()
+            paths: list[str] = []
             try:
-                path = os.path.join(self._stage or staging.staging_root(),
-                                    f"weights-v{version}.st")
-                await asyncio.to_thread(staging.stage_weights, path, state, self._hf)
+                for i, bucket in enumerate(refit.manifest.buckets):
+                    buffer = await fetch_bucket(refit, i, self.rpc_timeout_s)
+                    path = os.path.join(self._stage or staging.staging_root(),
+                                        f"weights-v{version}-{i}.st")
+                    if await asyncio.to_thread(staging.stage_bucket, path, bucket, buffer,
+                                               self._hf):
+                        paths.append(path)
+                    del buffer
+                self._open.clear()
                 cut = [r for r in self._requests.values() if r.segment and not r.done]
                 for req in cut:
                     req.cut = True
                 if cut:
                     await self._rpc(self._llm.abort([r.segment for r in cut]), "abort")
                 await self._rpc(self._llm.collective_rpc(
-                    "erlay_load_weights", args=(path,), timeout=self.rpc_timeout_s),
+                    "erlay_load_weights", args=(paths,), timeout=self.rpc_timeout_s),
                     "weight load")
                 await self._rpc(self._llm.reset_prefix_cache(), "prefix cache reset")
-                os.unlink(path)
                 if version < self._version:
                     log.warning("weights v%d replace newer v%d", version, self._version)
                 self._version = int(version)
                 self._counters["weight_updates"] += 1
                 self.boot.mark("first_weights")
             finally:
+                for path in paths:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
                 self._open.set()
                 self._set_phase()
         return self._version
@@ -347,7 +375,49 @@ class VllmEngine:
             pending=sum(1 for r in self._requests.values() if not r.done) - running,
             max_batch=self.max_batch,
             mean_batch_size=round(c["tokens_generated"] / c["decode_steps"], 3)
-            if c["decode_steps"] else 0.0, **c).to_dict()
+            if c["decode_steps"] else 0.0, sleeps=self._dormancy.sleeps,
+            wakes=self._dormancy.wakes, **c).to_dict()
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """EngineProtocol.sleep through vLLM's sleep mode (a colocated job starts its
+        engines with ``enable_sleep_mode``; CUDA only): ``level`` 1 offloads the weights to
+        host memory and drops the KV cache, 2 drops both.  At 2 the engine refuses requests
+        until a refit lands, since its weights are garbage until then.  Held requests are
+        cut as a refit cuts them and continue from their prefix after the wake."""
+        self._raise_if_failed()
+        if self._dormancy.asleep:
+            return self._dormancy.report()
+        self._dormancy.fall_asleep(level)
+        self._awake.clear()
+        self._set_phase()   # asleep is idle: no decode deadline
+        cut = [r for r in self._requests.values() if r.segment and not r.done]
+        for req in cut:
+            req.cut = True
+        try:
+            if cut:
+                await self._rpc(self._llm.abort([r.segment for r in cut]), "abort")
+            await self._rpc(self._llm.sleep(level), f"sleep (level {level})")
+        except BaseException:
+            self._dormancy.wake(wake_tags(None))   # still awake: serve on
+            self._awake.set()
+            raise
+        finally:
+            self._dormancy.released()
+        if level == 2:
+            self._refit_mark = self._counters["weight_updates"]
+        return self._dormancy.report()
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """EngineProtocol.wake_up through vLLM's: ``["weights"]`` before a refit (at level
+        2 their memory comes back empty for it), ``["kv_cache"]`` after; then it serves."""
+        self._raise_if_failed()
+        wanted = wake_tags(tags)
+        if self._dormancy.asleep:
+            await self._rpc(self._llm.wake_up(sorted(wanted)), "wake-up")
+        if self._dormancy.wake(wanted):
+            self._awake.set()
+            self._set_phase()
+        return self._dormancy.report()
 
     async def processes(self, keys: list[str] | None = None) -> dict[str, Any]:
         """This actor's pid and process group, and vLLM's worker processes with theirs and
@@ -398,7 +468,10 @@ class VllmEngine:
             assert self._stage is not None
             served = str(write_served_dir(policy, source, os.path.join(self._stage, "model")))
         config = load_hf_config(source, bool(spec.get("trust_remote_code", False)))
-        self._vocab = int(getattr(config, "text_config", config).vocab_size)
+        text = getattr(config, "text_config", config)
+        self._vocab = int(text.vocab_size)
+        if getattr(text, "tie_word_embeddings", False):   # a refit sends the embedding once
+            self._optional = frozenset({"lm_head.weight"})
         return served
 
     def _start_vllm(self, model_dir: str) -> Any:
@@ -433,6 +506,12 @@ class VllmEngine:
 
     def _validate(self, request: GenerationRequest) -> None:
         self._raise_if_failed()
+        self._dormancy.refuse(request.request_id)
+        if self._refit_mark is not None:
+            if self._refit_mark == self._counters["weight_updates"]:
+                raise EngineAsleep(f"request {request.request_id}: the weights were dropped "
+                                   "at sleep level 2 and no refit has replaced them yet")
+            self._refit_mark = None
         validate_request(request, self._vocab,
                          int(self.model_config.get("max_seq_len", 96)))
         if request.request_id in self._requests:
@@ -466,6 +545,7 @@ class VllmEngine:
                 return
             while not req.done:
                 await self._open.wait()
+                await self._awake.wait()
                 version = self._version
                 start = len(r.prefix_ids) + len(req.generated)
                 self._segments += 1
@@ -559,17 +639,6 @@ class VllmEngine:
             self._counters["requests_aborted"] += 1
             req.queue.put_nowait(self._final(req, FinishReason.ABORT))
 
-    def _check_state(self, state: dict[str, Any]) -> None:
-        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}  # not served
-        missing = sorted(set(self._shapes) - set(state))
-        unexpected = sorted(set(state) - set(self._shapes))
-        reshaped = sorted(k for k in set(self._shapes) & set(state)
-                          if tuple(np.shape(state[k])) != self._shapes[k])
-        if missing or unexpected or reshaped:
-            raise WeightsMismatch(f"weights do not fit the served model: missing "
-                                  f"{missing[:5]}, unexpected {unexpected[:5]}, reshaped "
-                                  f"{reshaped[:5]}")
-
     async def _rpc(self, call: Any, what: str) -> Any:
         """Await a call into vLLM.  Once vLLM's engine has died, any failure of it is
         :class:`EngineFailed` (the engine fails, as when a stream finds it dead), so a caller
@@ -625,7 +694,9 @@ class VllmEngine:
     def _set_phase(self) -> None:
         if self._update_lock.locked():
             return
-        active = sum(1 for r in self._requests.values() if not r.done)
+        # Asleep is idle: a held request waits for the wake-up, under no decode deadline.
+        active = 0 if self._dormancy.asleep else sum(1 for r in self._requests.values()
+                                                     if not r.done)
         self._counters["max_batch_size"] = max(self._counters["max_batch_size"], active)
         if active:
             self.progress.begin("decode_step", work=f"{active} requests")

@@ -18,24 +18,35 @@ from typing import Any
 class ErlayWorkerExtension:
     """Mixed into vLLM's ``Worker``: ``self.model_runner`` is the worker's model runner."""
 
-    def erlay_load_weights(self, path: str) -> int:
-        """Load the safetensors file at ``path`` (the served checkpoint's own names: the HF
-        model's, or GPT-2's for erlay's built-in model) into the served model in place;
-        returns the number of tensors loaded.
+    def erlay_load_weights(self, paths: list[str]) -> int:
+        """Load the safetensors files at ``paths`` (one per refit bucket, in the serving
+        dtype, with the served checkpoint's own names: the HF model's, or GPT-2's for erlay's
+        built-in model) into the served model in place, in one reload; returns the number of
+        tensors loaded.
 
-        The weights travel as a file staged by the engine actor on the same node (in
+        The weights travel as files staged by the engine actor on the same node (in
         ``/dev/shm`` where it exists), not inside the RPC: vLLM's IPC is meant for small
-        messages, and a file costs one copy whatever the model's size.  The caller checked
-        names and shapes first, since a partial load would leave a mixed model.
+        messages.  The files are read one at a time as the reload consumes them, so this
+        worker holds one bucket beyond its model.  The caller checked names and shapes and
+        staged every bucket first, since a partial load would leave a mixed model.
         """
         from safetensors.torch import load_file
 
-        tensors = load_file(path)
+        loaded = 0
+
+        def tensors() -> Any:
+            nonlocal loaded
+            for path in paths:
+                bucket = load_file(path)
+                loaded += len(bucket)
+                yield from bucket.items()
+                del bucket
+
         # vLLM's in-place reload: it undoes and redoes the backend's post-load processing
         # (CPU linear layers are repacked after loading, so a plain load_weights fails).
-        self.reload_weights(weights_iterator=iter(tensors.items()),  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=tensors(),  # type: ignore[attr-defined]
                             is_checkpoint_format=True)
-        return len(tensors)
+        return loaded
 
     def erlay_shapes(self) -> dict[str, list[int]]:
         """Parameter shapes of the served model, by vLLM's names (a diagnostic)."""

@@ -36,8 +36,9 @@ from typing import Any
 import ray
 
 from erlay.actors.control import GoodputController
+from erlay.actors.job.colocation import NO_COLOCATION, NoColocation, colocation_for
 from erlay.actors.job.control_wiring import build_controller
-from erlay.actors.job.domains import CHILD_GONE, EnginePool, SandboxClient, Weights
+from erlay.actors.job.domains import CHILD_GONE, EnginePool, SandboxClient
 from erlay.actors.job.dynamic_sampling import play_with_refills
 from erlay.actors.job.env_client import EnvironmentClient
 from erlay.actors.job.hostcalls import HostCalls
@@ -53,6 +54,7 @@ from erlay.actors.journal.store import Journal
 from erlay.actors.journal.transitions import Transition, TransitionKind, TransitionSink
 from erlay.actors.learner.core import TrainBatch
 from erlay.actors.learner.grpo import staleness_ok
+from erlay.actors.model.refit import Refit
 from erlay.actors.model.tokens import Tokenizer
 from erlay.actors.observe.goodput import StepCounts
 from erlay.judges.budget import CircuitBreaker
@@ -129,6 +131,7 @@ class RolloutCoordinator:
         self.validator: Validator | None = None   # with data.validation_every, from setup
         self.control: GoodputController | None = None   # with control.enabled, from setup
         self.fill_rounds: dict[int, int] = {}   # dynamic sampling's refill rounds, by step
+        self.colocation: NoColocation = NO_COLOCATION   # placement.colocate: from setup
 
     async def setup(self) -> None:
         """Start this incarnation's own loop thread and build the clients there."""
@@ -147,6 +150,7 @@ class RolloutCoordinator:
         self.engines = EnginePool(tree, paths.engines,
                                   update_timeout_s=cfg.engine.update_timeout_s)
         # The goodput controller's ticks run on this loop: LoopThread.close cancels them.
+        self.colocation = colocation_for(cfg, self.engines.refs)
         self.control = control = build_controller(cfg, self.engines, tree, self.ctx.control)
         self.sandbox = SandboxClient(tree, paths.sandbox_hosts, paths.sandbox_workers,
                                      cfg.sandbox.max_attempts,
@@ -233,8 +237,12 @@ class RolloutCoordinator:
     async def _run(self) -> None:
         assert self.runner is not None and self.engines is not None
         cfg = self.cfg
+        # Colocated, the warm start has the device too; and a successor of a coordinator
+        # that died mid-step finds its engines asleep or not (sleeping is idempotent).
+        await self.colocation.release()
         n = await self._restore_or_warm_start()
-        steps, lookahead = cfg.run.steps, cfg.rollout.max_staleness
+        self.colocation.step_stats()   # the start's hand-off belongs to no step's record
+        steps, lookahead = cfg.run.steps, self.colocation.lookahead(cfg.rollout.max_staleness)
         generation: dict[int, asyncio.Task[tuple[list[Trajectory], Window]]] = {}
         # A crash (or a stop) ends this incarnation's generation too: left running, the
         # steps it generated ahead would go on writing chunks, tool calls and judgements
@@ -253,6 +261,7 @@ class RolloutCoordinator:
                 gen_wait = time.monotonic() - step_started
                 tails = await self._engine_tails()
                 batch, counts = self._batch(n, trajectories)
+                await self.colocation.release()   # colocated: the engines free the device
                 train_started, train_began = time.monotonic(), time.time()
                 metrics = await self._train(batch, n)
                 if metrics.get("stale_step"):
@@ -262,7 +271,7 @@ class RolloutCoordinator:
                 # journal records its consumption; exactly-once must tell a step a
                 # checkpoint kept from one the failed run lost.
                 await afailpoint("rollout.after_train")
-                weights = await self._publish()
+                weights = await self._refit()
                 train_seconds = time.monotonic() - train_started
                 windows = {"gen_window": gen_window, "train_window": (train_began, time.time())}
                 self._consume(trajectories, n, weights.version)
@@ -270,7 +279,9 @@ class RolloutCoordinator:
                 # Report before checkpointing: a checkpoint may let the journal compact this
                 # step's rollouts, and a successor reports unreported steps from the journal.
                 if n > self.reported_upto:
-                    self._report_step(n, trajectories, counts, {**metrics, **tails, **windows},
+                    self._report_step(n, trajectories, counts,
+                                      {**metrics, **tails, **windows,
+                                       **self.colocation.step_stats()},
                                       gen_window[1] - gen_window[0], gen_wait, train_seconds,
                                       time.monotonic() - step_started)
                     self.reported_upto = n
@@ -320,6 +331,14 @@ class RolloutCoordinator:
             "engine_kv_save_s": round(sum(r.get("kv_save_s", 0.0) for r in reports), 4),
         }
 
+    async def _refit(self) -> Refit:
+        """Publish the learner's weights to the engines; colocated, the engines take their
+        weights' memory back first (the refit loads into it) and their KV cache after."""
+        await self.colocation.reclaim_weights()
+        weights = await self._publish()
+        await self.colocation.reclaim_cache()
+        return weights
+
     async def _restore_or_warm_start(self) -> int:
         """The step to train next.  A learner that is past its warm start (restored from a
         checkpoint, or alive while this coordinator restarted) keeps its timeline; else
@@ -335,7 +354,7 @@ class RolloutCoordinator:
         if status["warm_started"]:
             step = int(status["step"])
             self.base_version = int(status["version"]) - step
-            await self._publish()
+            await self._refit()
             log.warning("continuing at step %d (learner v%d%s)", step, status["version"],
                         ", restored from a checkpoint" if status.get("restored") else "")
             await self._account_unreported(step)
@@ -373,7 +392,7 @@ class RolloutCoordinator:
                     "training; feeding steps %d..%d again from the journal", learner_step, n,
                     learner_step, n)
         self.report({"phase": "rewind", "from_step": n, "to_step": learner_step})
-        await self._publish()
+        await self._refit()
         return learner_step
 
     async def _checkpoint(self) -> float:
@@ -526,7 +545,7 @@ class RolloutCoordinator:
             result = await self._learner_call("sft", prompts, targets, ws.steps, ws.batch_size,
                                               ws.lr, all_ranks=True)
             self.report({"phase": "warm_start", "demonstrations_failed": failed, **result})
-        weights = await self._publish()
+        weights = await self._refit()
         self.base_version = weights.version
 
     async def _demonstration(self, index: int) -> list[tuple[str, str]] | None:
@@ -599,19 +618,26 @@ class RolloutCoordinator:
         finally:
             self.progress.tick()
 
-    async def _publish(self) -> Weights:
+    async def _publish(self) -> Refit:
         assert self.engines is not None
         with telemetry.span("weight_update", root=True) as span:
-            version, (ref,) = await self._learner_call("publish")
-            span.set_attribute("erlay.policy_version", int(version))
-            # The learner owns the object it put; re-put it from the driver so engines
-            # admitted after a learner restart can still load it.  The put copies the
-            # weights into the object store: on a thread, under a deadline, so a full store
-            # fails the publication instead of stalling this loop.
+            published: Refit = await self._learner_call("publish")
+            span.set_attribute("erlay.policy_version", int(published.version))
+            span.set_attribute("erlay.refit_bytes", published.manifest.nbytes)
+            # The learner owns the objects it put; re-put them from the driver so engines
+            # admitted after a learner restart can still load them.  One bucket at a time
+            # (the driver holds at most one), each fetch and put under a deadline, the put
+            # on a thread, so a full store fails the publication instead of stalling this
+            # loop.
             deadline = self.cfg.learner.call_timeout_s
-            state = await within(ref, deadline, "learner weights")
-            weights = Weights(version, await within(asyncio.to_thread(ray.put, state),
-                                                    deadline, "re-put of the weights"))
+            refs = []
+            for i, ref in enumerate(published.refs):
+                what = f"learner weights bucket {i + 1}/{len(published.refs)}"
+                bucket = await within(ref, deadline, what)
+                refs.append(await within(asyncio.to_thread(ray.put, bucket), deadline,
+                                         f"re-put of {what}"))
+                del bucket
+            weights = Refit(published.manifest, tuple(refs))
             await self.engines.publish(weights)
         return weights
 

@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -33,6 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from erlay.actors.control.limits import CallLimits
 from erlay.actors.engine.api import EngineFailed
 from erlay.actors.job.engine_exits import EngineExits
+from erlay.actors.model.refit import Refit
 from erlay.supervisor.deadline import stream_within, within
 from erlay.supervisor.errors import CallDeadlineExceeded, ChildNotRunning
 from erlay.supervisor.tree import ChildRef, SupervisionTree
@@ -81,12 +81,6 @@ def _admission_done(task: asyncio.Task[None]) -> None:
         log.warning("admitting %s failed: %s: %s", task.get_name(), type(exc).__name__, exc)
 
 
-@dataclass
-class Weights:
-    version: int
-    ref: Any  # ObjectRef of the numpy state dict
-
-
 class EnginePool:
     """The generation engines, with admission of new incarnations."""
 
@@ -94,7 +88,7 @@ class EnginePool:
                  update_timeout_s: float = 300.0) -> None:
         self.refs = [tree.ref(p) for p in paths]
         self.update_timeout_s = update_timeout_s
-        self.weights: Weights | None = None
+        self.weights: Refit | None = None   # the newest published, loaded on admission
         self._admitted: dict[str, int] = {}
         self._load: dict[str, int] = {p: 0 for p in paths}
         self._admitting: dict[str, tuple[int, asyncio.Task[None]]] = {}
@@ -203,21 +197,22 @@ class EnginePool:
         self._admitting[ref.path] = (incarnation, task)
         return task
 
-    async def _load_weights(self, ref: ChildRef, incarnation: int, weights: Weights) -> None:
-        await within(ref.actor.update_weights.remote(weights.version, weights.ref),
+    async def _load_weights(self, ref: ChildRef, incarnation: int, weights: Refit) -> None:
+        await within(ref.actor.update_weights.remote(weights),
                      self.update_timeout_s, f"{ref.path}.update_weights")
         self._admitted[ref.path] = incarnation
 
-    async def publish(self, weights: Weights) -> None:
-        """Make every running engine serve ``weights``; engines that are down load them on
-        admission.  Returns once every reachable engine reports the version."""
+    async def publish(self, weights: Refit) -> None:
+        """Make every running engine serve ``weights`` (passed on as they are: each engine
+        fetches the buckets itself); engines that are down load them on admission.  Returns
+        once every reachable engine reports the version."""
         self.weights = weights
         running = await wait_for_any(self.refs, 0)
 
         async def push(ref: ChildRef) -> None:
             try:
                 incarnation = ref.incarnation  # the child may be gone since it was running
-                await within(ref.actor.update_weights.remote(weights.version, weights.ref),
+                await within(ref.actor.update_weights.remote(weights),
                              self.update_timeout_s, f"{ref.path}.update_weights")
                 self._admitted[ref.path] = incarnation
             except ENGINE_GONE as exc:

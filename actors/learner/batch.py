@@ -165,6 +165,36 @@ def rank_minibatches(rows: int, minibatches: int, world_size: int, rank: int
             for j in range(minibatches)]
 
 
+def pack_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Positions into ``lengths`` (each row's padded length: prompt plus completion) grouped
+    into micro-batches whose rows times their longest row fit ``budget`` tokens.
+
+    Rows go longest first, so each micro-batch pads to a length close to its rows' own; the
+    order of positions within one is the order they are taken in.  A row longer than the
+    budget alone gets a micro-batch of its own (a sequence is never split: such a pass holds
+    more than the budget, so set it at least ``model.max_seq_len``).  Pure and deterministic: every pass of a step (the
+    proximal, reference and training passes) packs the same rows the same way.
+
+    >>> pack_micro_batches([10, 30, 20, 5], 40)
+    [[1], [2, 0], [3]]
+    >>> pack_micro_batches([10, 30, 20, 5], 1000)
+    [[1, 2, 0, 3]]
+    >>> pack_micro_batches([], 8)
+    []
+    """
+    if budget < 1:
+        raise ValueError(f"micro-batch budget must be >= 1 token, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    packs: list[list[int]] = []
+    for i in order:
+        # Longest first: the pack's padded length is its first row's.
+        if packs and (len(packs[-1]) + 1) * lengths[packs[-1][0]] <= budget:
+            packs[-1].append(i)
+        else:
+            packs.append([i])
+    return packs
+
+
 # Loss statistics averaged over minibatches, weighted by their token counts.
 TOKEN_WEIGHTED = ("loss", "clip_fraction", "is_weight_mean", "is_weight_max_hit_fraction",
                   "kl", "ratio_mean", "approx_kl")

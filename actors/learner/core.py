@@ -45,6 +45,7 @@ from erlay.actors.learner.advantages import step_advantages
 from erlay.actors.learner.batch import (
     TOKEN_WEIGHTED,
     TrainBatch,
+    pack_micro_batches,
     pad_rows,
     rank_minibatches,
     rl_learning_rate,
@@ -61,11 +62,15 @@ from erlay.actors.learner.fsdp import (
     optimizer_by_name,
     trainable_names,
 )
-from erlay.actors.learner.objectives import policy_loss
 from erlay.actors.learner.options import LOOPBACK, LearnerOptions, resolve
-from erlay.actors.model.build import Policy, build_policy, publish_state, shape_of
-from erlay.actors.model.mtp import mtp_loss
-from erlay.actors.model.policy import sequence_logprobs
+from erlay.actors.learner.passes import (
+    LearnerPasses,
+    MicroBatch,
+    master_dtype,
+    resolve_precision,
+)
+from erlay.actors.model.build import Policy, build_policy, is_hf, publish_state, shape_of
+from erlay.actors.model.layers import checkpoint_layers
 from erlay.supervisor.progress import Progress
 
 log = logging.getLogger("erlay.learner")
@@ -76,7 +81,7 @@ __all__ = ["LearnerCore", "TrainBatch", "pad_rows", "rank_minibatches", "rl_lear
 STATE_FORMAT = 1
 
 
-class LearnerCore:
+class LearnerCore(LearnerPasses):
     """One learner rank: the policy, its optimiser, versions, and the GRPO and SFT updates.
 
     ``model_config`` describes the policy (:mod:`erlay.actors.model.build`: an HF causal LM or
@@ -100,6 +105,10 @@ class LearnerCore:
             raise ValueError(f"rank {o.rank} is outside world_size {o.world_size}")
         if o.minibatches < 1:
             raise ValueError(f"minibatches must be >= 1, got {o.minibatches}")
+        if o.micro_batch_tokens < 1 or o.logits_chunk_mb < 1:
+            raise ValueError(f"micro_batch_tokens and logits_chunk_mb must be >= 1, got "
+                             f"{o.micro_batch_tokens} and {o.logits_chunk_mb}")
+        self.precision = resolve_precision(o.precision, o.device)
         torch.set_num_threads(o.torch_threads)
         torch.manual_seed(o.seed)
         random.seed(o.seed)
@@ -109,8 +118,17 @@ class LearnerCore:
             # published weights are copied to the host where they are written or sent.
             torch.set_default_device(o.device)
         # fsdp2 builds the whole policy on the host: only shards reach the device (fsdp.py).
+        # The learner's weights are in its master dtype whatever dtype the engines serve
+        # (model.dtype): fp32, or bf16 for precision bf16 (passes.py).
+        master = master_dtype(self.precision)
+        spec = {**model_config, "dtype": str(master).removeprefix("torch.")} \
+            if is_hf(model_config) else model_config
         with torch.device(build_device(o.backend, o.device)):
-            self.model = build_policy(model_config, seed=o.seed)
+            self.model = build_policy(spec, seed=o.seed).to(master)
+        if o.activation_checkpointing:
+            checkpoint_layers(self.model)
+        self.micro_batch_tokens = o.micro_batch_tokens
+        self.logits_chunk_bytes = o.logits_chunk_mb * 2**20
         self.config = self.model.cfg
         self.device = o.device
         self._hyper: dict[str, Any] = {"lr": o.lr, "betas": tuple(o.betas),
@@ -165,13 +183,21 @@ class LearnerCore:
 
     def evaluate_logprobs(self, prompts: list[list[int]],
                           completions: list[list[int]]) -> list[list[float]]:
-        """Per-token logprobs of each completion under the current weights."""
+        """Per-token logprobs of each completion under the current weights, at temperature
+        1, a micro-batch at a time."""
         if not completions:
             return []
         model = self._serving_model()
+        out: list[list[float]] = [[] for _ in completions]
         with self._lock, torch.no_grad(), torch.device(next(model.parameters()).device):
-            logp, _ = sequence_logprobs(model, prompts, completions)
-        return [logp[i, :len(c)].tolist() for i, c in enumerate(completions)]
+            for micro in pack_micro_batches([len(p) + len(c) for p, c in
+                                             zip(prompts, completions, strict=True)],
+                                            self.micro_batch_tokens):
+                logp = self._scores(model, [prompts[k] for k in micro],
+                                    [completions[k] for k in micro], temperature=1.0).logprobs
+                for row, k in enumerate(micro):
+                    out[k] = logp[row, :len(completions[k])].tolist()
+        return out
 
     # ------------------------------------------------------------------------- updates
     def train_step(self, batch: dict[str, Any] | TrainBatch,
@@ -181,7 +207,9 @@ class LearnerCore:
 
         Advantages come from the whole batch (:mod:`~erlay.actors.learner.advantages`).
         Proximal (and reference) logprobs for every minibatch are computed first, with no
-        gradient, before any weight moves; then one optimiser step per minibatch.  Rows with
+        gradient, before any weight moves; then one optimiser step per minibatch, its
+        gradient accumulated over micro-batches of at most ``micro_batch_tokens``
+        (:mod:`~erlay.actors.learner.passes`: the same gradient as one pass).  Rows with
         no token in the loss are left out of every forward pass.  The first minibatch runs
         on the proximal weights themselves, so its own forward pass yields its proximal
         logprobs (detached) and the separate no-grad pass is skipped for it: one forward
@@ -210,20 +238,22 @@ class LearnerCore:
             chunks = [[i for i in c if any(tb.token_mask(i))]
                       for c in rank_minibatches(len(tb), self.minibatches, self.world_size,
                                                 self.rank)]
-            fixed = [self._fixed_logprobs(tb, c, with_prox=j > 0)
-                     for j, c in enumerate(chunks)]
+            micro = self._micro_batches(tb, chunks)
+            fixed = [self._fixed_logprobs(tb, c, m, with_prox=j > 0)
+                     for j, (c, m) in enumerate(zip(chunks, micro, strict=True))]
             advantages = step_advantages(self.objective, tb, chunks, [r for _, r in fixed],
                                          kl_coef=self.kl_coef, all_sum=self._all_sum)
             self.progress.tick()
             sums = dict.fromkeys(TOKEN_WEIGHTED, 0.0)
             local_tokens = global_tokens = 0
             grad_norms = []
-            for chunk, adv, (prox, ref) in zip(chunks, advantages, fixed, strict=True):
-                n_local, n_global, stats, norm = self._minibatch(tb, chunk, adv, prox, ref)
-                for key in TOKEN_WEIGHTED:
-                    sums[key] += stats.get(key, 0.0) * n_local
+            for chunk, m, adv, (prox, ref) in zip(chunks, micro, advantages, fixed,
+                                                  strict=True):
+                n_local, n_global, stats, norm = self._minibatch(tb, chunk, m, adv, prox, ref)
                 for key in stats:
-                    if key.startswith("mtp_"):   # the heads' loss and accuracy, per step
+                    # The heads' loss and accuracy and the policy's entropy are reported
+                    # beside the loss statistics, token-weighted the same way.
+                    if key in TOKEN_WEIGHTED or key == "entropy" or key.startswith("mtp_"):
                         sums[key] = sums.get(key, 0.0) + stats[key] * n_local
                 local_tokens += n_local
                 global_tokens += n_global
@@ -266,22 +296,17 @@ class LearnerCore:
                 batch = [(s * batch_size + j) % len(prompts) for j in range(batch_size)]
                 mine = shard(batch, self.world_size, self.rank)
                 self.optimizer.zero_grad()
-                loss = None
-                loss_sum, n_local = 0.0, sum(len(targets[i]) for i in mine)
-                if n_local:
-                    logp, mask = sequence_logprobs(self.model, [prompts[i] for i in mine],
-                                                   [targets[i] for i in mine])
-                    loss = -(logp * mask).sum()
-                    loss_sum = float(loss.detach())
-                    if self.mtp_loss_weight:   # per target token, like the policy's term
-                        extra, _ = self._mtp_term([prompts[i] for i in mine],
-                                                  [targets[i] for i in mine])
-                        loss = loss + extra * n_local
-                n_global, total = self._all_sum([float(n_local), loss_sum])
-                if loss is not None:
-                    (loss * (self.world_size / n_global)).backward()
-                elif self._fsdp is not None:
-                    self._idle_pass([prompts[batch[0]]], [targets[batch[0]]])
+                n_local = sum(len(targets[i]) for i in mine)
+                (n_global,) = self._all_sum([float(n_local)])
+                loss_sum = 0.0
+                # Each micro-batch's token sum over the global count: together the token mean
+                # one pass over every rank's rows would take (passes.py).
+                for loss, nll in self._sft_passes([prompts[i] for i in mine],
+                                                  [targets[i] for i in mine],
+                                                  (prompts[batch[0]], targets[batch[0]])):
+                    (loss * (self.world_size / max(n_global, 1.0))).backward()
+                    loss_sum += nll
+                (total,) = self._all_sum([loss_sum])
                 self._apply_gradients(int(n_global))
                 losses.append(total / max(n_global, 1.0))
                 tokens += int(n_global)
@@ -416,47 +441,19 @@ class LearnerCore:
         """The model this rank reads alone to publish or score (fsdp2: rank 0's host copy)."""
         return self.model if self._fsdp is None else self._fsdp.serving_model(self.model)
 
-    def _idle_pass(self, prompts: list[list[int]], completions: list[list[int]]) -> None:
-        """fsdp2, a rank with nothing to train on: the forward and backward passes its peers
-        run (they are collectives), with a zero loss, so its gradient adds nothing."""
-        logp, _ = sequence_logprobs(self.model, prompts, completions, self.temperature)
-        loss = logp.sum() * 0.0
-        if self.mtp_loss_weight:
-            extra, _ = self._mtp_term(prompts, completions)
-            loss = loss + extra * 0.0
-        loss.backward()
-
     def _frozen_copy(self) -> Policy:
         ref = copy.deepcopy(self.model)
         ref.requires_grad_(False)
         return ref
 
-    def _fixed_logprobs(self, tb: TrainBatch, chunk: list[int], *, with_prox: bool
-                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Proximal (if ``with_prox``) and, with a KL term, reference logprobs for one
-        minibatch, with no gradient.  Nothing for a minibatch with no trained tokens (fsdp2
-        still runs the forwards, on row 0 for an empty chunk: they are collectives)."""
-        trained = any(any(tb.token_mask(i)) for i in chunk)
-        if not trained and self._fsdp is None:
-            return None, None
-        rows = chunk or [0]
-        prompts = [tb.prompt_ids[i] for i in rows]
-        completions = [tb.completion_ids[i] for i in rows]
-        prox = ref = None
-        with torch.no_grad():
-            if with_prox:
-                prox, _ = sequence_logprobs(self.model, prompts, completions, self.temperature)
-            if self.reference is not None:
-                ref, _ = sequence_logprobs(self.reference, prompts, completions,
-                                           self.temperature)
-        return (prox, ref) if trained else (None, None)
-
-    def _minibatch(self, tb: TrainBatch, chunk: list[int], advantages: torch.Tensor,
-                   prox: torch.Tensor | None, ref: torch.Tensor | None
-                   ) -> tuple[int, int, dict[str, float], float]:
-        """One optimiser step on this rank's ``chunk``: (local tokens, global tokens, loss
-        statistics, gradient norm).  Every rank calls it the same number of times, even
-        with an empty chunk, because it holds the collectives."""
+    def _minibatch(self, tb: TrainBatch, chunk: list[int], micro: list[MicroBatch],
+                   advantages: torch.Tensor, prox: torch.Tensor | None,
+                   ref: torch.Tensor | None) -> tuple[int, int, dict[str, float], float]:
+        """One optimiser step on this rank's ``chunk``, its gradient accumulated over the
+        micro-batches ``micro``: (local tokens, global tokens, loss statistics, gradient
+        norm).  Every rank calls it the same number of times, even with an empty chunk,
+        because it holds the collectives.  ``prox=None`` means the weights are still the
+        proximal ones (the first minibatch)."""
         self.optimizer.zero_grad()
         n_local = sum(sum(tb.token_mask(i)) for i in chunk)
         # The unit the objective's loss is a mean over: tokens, or completions.
@@ -464,50 +461,9 @@ class LearnerCore:
             else n_local
         n_global, units_global = self._all_sum([float(n_local), float(units)])
         stats: dict[str, float] = {}
-        if n_local:
-            loss, stats = self._chunk_loss(tb, chunk, advantages, prox, ref)
-            # Each rank's mean, rescaled so the rank average is the mean over every rank's
-            # units: the loss one learner would take over the whole minibatch.
-            (loss * (units * self.world_size / units_global)).backward()
-        elif self._fsdp is not None and n_global:
-            rows = chunk or [0]
-            self._idle_pass([tb.prompt_ids[i] for i in rows],
-                            [tb.completion_ids[i] for i in rows])
+        if n_local or (self._fsdp is not None and n_global):
+            stats = self._accumulate(tb, chunk, micro, advantages, prox, ref, units_global)
         return n_local, int(n_global), stats, self._apply_gradients(int(n_global))
-
-    def _chunk_loss(self, tb: TrainBatch, chunk: list[int], advantages: torch.Tensor,
-                    prox: torch.Tensor | None, ref: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The objective's loss of one minibatch (``advantages``: the chunk's own);
-        ``prox=None`` means the weights are still the proximal ones (the first
-        minibatch)."""
-        logp, token_mask = sequence_logprobs(self.model, [tb.prompt_ids[i] for i in chunk],
-                                             [tb.completion_ids[i] for i in chunk],
-                                             self.temperature)
-        if prox is None:
-            prox = logp.detach()
-        width = logp.shape[1]
-        behaviour = pad_rows([tb.behaviour_logprobs[i] for i in chunk], width, torch.float32)
-        trained = pad_rows([tb.token_mask(i) for i in chunk], width, torch.bool)
-        loss, stats = policy_loss(self.objective, logp, prox, behaviour, advantages,
-                                  token_mask & trained, clip_eps=self.clip_eps,
-                                  is_cap=self.is_cap, kl_coef=self.kl_coef, ref_logp=ref)
-        if self.mtp_loss_weight:
-            extra, mtp_stats = self._mtp_term([tb.prompt_ids[i] for i in chunk],
-                                              [tb.completion_ids[i] for i in chunk])
-            loss = loss + extra
-            stats = {**stats, **mtp_stats}
-        return loss, stats
-
-    def _mtp_term(self, prompts: list[list[int]], completions: list[list[int]]
-                  ) -> tuple[torch.Tensor, dict[str, float]]:
-        """``mtp_loss_weight`` times the heads' mean cross-entropy (it trains the heads only:
-        see :func:`erlay.actors.model.mtp.mtp_loss`), and its statistics."""
-        total, count, accuracy = mtp_loss(self.model, prompts, completions)
-        mean = total / max(count, 1)
-        stats = {"mtp_loss": float(mean.detach())}
-        stats.update({f"mtp_acc{k + 1}": a for k, a in enumerate(accuracy) if a == a})
-        return self.mtp_loss_weight * mean, stats
 
     def _apply_gradients(self, tokens: int) -> float:
         """Average gradients over ranks, clip, step; returns the pre-clip global norm.
@@ -551,11 +507,18 @@ class LearnerCore:
 
     def _all_sum(self, values: list[float]) -> list[float]:
         """Sum ``values`` over ranks (float64, so token counts stay exact)."""
-        if self.world_size == 1:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def _all_max(self, values: list[float]) -> list[float]:
+        """The largest of each of ``values`` over ranks."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: list[float], op: Any) -> list[float]:
+        if self.world_size == 1 or not values:
             return values
         self._ensure_group()
         buf = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(buf)
+        dist.all_reduce(buf, op=op)
         return buf.tolist()
 
     def _ensure_group(self) -> None:

@@ -57,6 +57,8 @@ import torch
 from torch import distributed as dist
 from torch import nn
 
+from erlay.actors.model.layers import decoder_layers
+
 log = logging.getLogger("erlay.learner")
 
 FQN_LAYOUT = "fqn"   # optimizer state keyed by parameter name (torch.distributed.checkpoint's)
@@ -66,21 +68,6 @@ def build_device(backend: str, device: str) -> str:
     """Where a learner builds its policy: on the host for fsdp2 (only shards go to
     ``device``, at sharding), on ``device`` itself otherwise.  Pure."""
     return "cpu" if backend == "fsdp2" else device
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks that each get their own FSDP unit.
-
-    An HF policy's decoder stack (``model.layers``, ``transformer.h``, ..., found through
-    :attr:`~erlay.actors.model.hf.HFPolicy.backbone`, which looks through a LoRA wrapper), or
-    the built-in model's ``blocks``.  Raises ValueError for a model with neither."""
-    stack = getattr(model, "backbone", None) if hasattr(model, "lm") else model
-    for name in ("layers", "h", "blocks", "block"):
-        found = getattr(stack, name, None)
-        if isinstance(found, nn.ModuleList) and len(found):
-            return list(found)
-    raise ValueError(f"fsdp2: no transformer blocks found in {type(model).__name__} (looked "
-                     f"for layers, h, blocks on its decoder stack)")
 
 
 def shard_module(model: nn.Module, mesh: Any, *, cpu_offload: bool,

@@ -67,6 +67,7 @@ from torch import distributed as dist
 from erlay.actors.learner.batch import (
     TOKEN_WEIGHTED,
     TrainBatch,
+    pack_micro_batches,
     pad_rows,
     rank_minibatches,
     rl_learning_rate,
@@ -161,6 +162,9 @@ class MegatronLearner:
                                        "weight_decay": o.weight_decay}
         self.max_grad_norm, self.clip_eps, self.is_cap = o.max_grad_norm, o.clip_eps, o.is_cap
         self.kl_coef, self.seed, self.minibatches = o.kl_coef, o.seed, o.minibatches
+        # Without a pipeline, each minibatch runs in micro-batches of this many tokens; a
+        # pipeline's micro-batches are its rows (megatron_pipeline.py), one at a time.
+        self.micro_batch_tokens = o.micro_batch_tokens
         self.temperature = o.temperature
         self.lr_decay_steps, self.lr_min_ratio = o.lr_decay_steps, o.lr_min_ratio
         self.progress = Progress()
@@ -328,19 +332,64 @@ class MegatronLearner:
     def weights(self) -> dict[str, np.ndarray]:
         return self.versioned_weights()[1]
 
-    def publish(self) -> tuple[int, list[Any]]:
-        """``(version, [ref])`` as :meth:`erlay.actors.learner.rank.Learner.publish`."""
-        import ray
+    def publish(self) -> Any:
+        """A :class:`~erlay.actors.model.refit.Refit` as
+        :meth:`erlay.actors.learner.rank.Learner.publish` (of the merged float32 weights
+        :meth:`versioned_weights` gives, packed in ``options.serving_dtype``)."""
+        from erlay.actors.model.refit import put_refit
         version, weights = self.versioned_weights()
-        return version, [ray.put(weights)]
+        dtype = self.options.serving_dtype
+        return put_refit(version, weights, "float32" if dtype == "auto" else dtype)
 
     # ------------------------------------------------------------------------- updates
     def _fixed_logprobs(self, model: Any, prompts: list[list[int]],
                         completions: list[list[int]]) -> torch.Tensor | None:
-        """No-grad completion logprobs (with a pipeline: on its last stage, else None)."""
+        """No-grad completion logprobs ``[B, L]`` (with a pipeline: on its last stage, else
+        None), a micro-batch at a time."""
         if self._pipe is not None:
             return self._pipe.logprobs(model, prompts, completions)
-        return self._logprobs(model, prompts, completions)[0]
+        out = torch.zeros((len(completions), max((len(c) for c in completions), default=0)),
+                          device=self.device)
+        for micro in self._packs(prompts, completions):
+            logp = self._logprobs(model, [prompts[k] for k in micro],
+                                  [completions[k] for k in micro])[0]
+            out[micro, :logp.shape[1]] = logp
+        return out
+
+    def _packs(self, prompts: list[list[int]], completions: list[list[int]]
+               ) -> list[list[int]]:
+        return pack_micro_batches([len(p) + len(c) for p, c in
+                                   zip(prompts, completions, strict=True)],
+                                  self.micro_batch_tokens)
+
+    def _micro_grpo(self, tb: TrainBatch, chunk: list[int], prox: torch.Tensor,
+                    ref: torch.Tensor | None, advantages: torch.Tensor, n_global: int
+                    ) -> dict[str, float]:
+        """Forward and backward of ``chunk`` in micro-batches, each one's token-mean loss
+        scaled by its tokens over the global count (the un-split minibatch's gradient:
+        erlay.actors.learner.passes); the chunk's token-weighted statistics."""
+        sums = dict.fromkeys(TOKEN_WEIGHTED, 0.0)
+        total = 0
+        for micro in self._packs([tb.prompt_ids[i] for i in chunk],
+                                 [tb.completion_ids[i] for i in chunk]):
+            rows = [chunk[k] for k in micro]
+            logp, token_mask = self._logprobs(self.model, [tb.prompt_ids[i] for i in rows],
+                                              [tb.completion_ids[i] for i in rows])
+            width = logp.shape[1]
+            behaviour = pad_rows([tb.behaviour_logprobs[i] for i in rows], width,
+                                 torch.float32).to(logp.device)
+            trained = pad_rows([tb.token_mask(i) for i in rows], width,
+                               torch.bool).to(logp.device)
+            loss, stats = grpo_loss(
+                logp, prox[micro, :width], behaviour, advantages[rows].to(logp.device),
+                token_mask & trained, clip_eps=self.clip_eps, is_cap=self.is_cap,
+                kl_coef=self.kl_coef, ref_logp=None if ref is None else ref[micro, :width])
+            n = int((token_mask & trained).sum())
+            (loss * (n * self.dp / n_global)).backward()
+            for key in TOKEN_WEIGHTED:
+                sums[key] += stats.get(key, 0.0) * n
+            total += n
+        return {k: v / max(total, 1) for k, v in sums.items()}
 
     def _logprobs(self, model: Any, prompts: list[list[int]], completions: list[list[int]],
                   temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,19 +441,7 @@ class MegatronLearner:
                         self.model, tb, chunk, prox, ref, advantages, self.dp / n_global,
                         clip_eps=self.clip_eps, is_cap=self.is_cap, kl_coef=self.kl_coef)
                 elif n_local:
-                    logp, token_mask = self._logprobs(
-                        self.model, [tb.prompt_ids[i] for i in chunk],
-                        [tb.completion_ids[i] for i in chunk])
-                    width = logp.shape[1]
-                    behaviour = pad_rows([tb.behaviour_logprobs[i] for i in chunk], width,
-                                         torch.float32).to(logp.device)
-                    trained = pad_rows([tb.token_mask(i) for i in chunk], width,
-                                       torch.bool).to(logp.device)
-                    loss, stats = grpo_loss(
-                        logp, prox, behaviour, advantages[chunk].to(logp.device),
-                        token_mask & trained, clip_eps=self.clip_eps, is_cap=self.is_cap,
-                        kl_coef=self.kl_coef, ref_logp=ref)
-                    (loss * (n_local * self.dp / n_global)).backward()
+                    stats = self._micro_grpo(tb, chunk, prox, ref, advantages, n_global)
                 norms.append(self._apply_gradients(n_global))
                 for key in TOKEN_WEIGHTED:
                     sums[key] += stats.get(key, 0.0) * n_local

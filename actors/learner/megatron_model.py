@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from erlay.actors.model.logprobs import DEFAULT_CHUNK_BYTES, target_logprobs
 from erlay.actors.model.megatron_convert import (
     MegatronShape,
     gpt_model_kwargs,
@@ -88,25 +89,35 @@ def megatron_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 def completion_logprobs(logits: torch.Tensor, prompts: list[list[int]],
                         completions: list[list[int]], vocab_size: int,
-                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, mask)`` ``[B, L]`` of each completion token given what precedes it, from
     right-padded ``logits`` ``[B, S, V']``; the padded vocabulary (ids ``>= vocab_size``)
     is dropped before the softmax, and logits are divided by ``temperature`` unless it is 0
-    or 1, as :func:`erlay.actors.model.policy.sequence_logprobs` scores them."""
-    logits = logits[..., :vocab_size]
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    or 1, as :func:`erlay.actors.model.policy.sequence_logprobs` scores them.
+
+    Only the rows that predict a completion token are read, and their log-softmax is taken
+    over chunks of ``chunk_bytes`` of fp32 under activation checkpointing
+    (:func:`erlay.actors.model.logprobs.target_logprobs`): megatron's own logits (in its
+    compute dtype, one micro-batch's) are the only ``[tokens, vocabulary]`` tensor."""
+    device = logits.device
     width = max((len(c) for c in completions), default=0)
-    out = torch.zeros((len(completions), width), device=logits.device)
-    mask = torch.zeros((len(completions), width), dtype=torch.bool, device=logits.device)
-    for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        if not c:
-            continue
-        slots = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=logits.device)
-        targets = torch.tensor(c, device=logits.device)
-        out[b, :len(c)] = logp[b, slots, targets]
-        mask[b, :len(c)] = True
+    rows = [b for b, c in enumerate(completions) for _ in c]
+    cols = [i for c in completions for i in range(len(c))]
+    slots = [len(p) - 1 + i for p, c in zip(prompts, completions, strict=True)
+             for i in range(len(c))]
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long,
+                           device=device)
+    picked = logits[torch.tensor(rows, device=device), torch.tensor(slots, device=device),
+                    :vocab_size] if rows else logits.new_zeros((0, vocab_size))
+    scored = target_logprobs(picked, torch.nn.Identity(), targets, temperature=temperature,
+                             chunk_bytes=chunk_bytes).logprobs
+    out = torch.zeros((len(completions), width), device=device)
+    mask = torch.zeros((len(completions), width), dtype=torch.bool, device=device)
+    if rows:
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        out = out.index_put(index, scored)
+        mask[index] = True
     return out, mask
 
 

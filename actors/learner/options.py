@@ -44,6 +44,16 @@ class LearnerOptions:
     lr_min_ratio: float = 0.1
     mtp_loss_weight: float = 0.0
     minibatches: int = 1
+    # Memory: the token budget of one forward/backward pass (rows x padded length), the
+    # logits chunk, the compute precision and per-layer recompute (docs/scaling.md).
+    micro_batch_tokens: int = 16384
+    logits_chunk_mb: int = 256
+    precision: str = "auto"         # auto | fp32 | bf16-mixed | bf16
+    activation_checkpointing: bool = False
+    # Refit: the engines' model dtype, in which rank 0 publishes (erlay.actors.model.refit),
+    # and whether LoRA adapters travel merged (an engine serving the plain model: vLLM).
+    serving_dtype: str = "float32"
+    refit_merge_lora: bool = False
     seed: int = 0
     torch_threads: int = 1
     device: str = "cpu"

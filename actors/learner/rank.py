@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from erlay.actors.learner.checkpoint import (
@@ -46,6 +45,7 @@ from erlay.actors.learner.rendezvous import (
 )
 from erlay.actors.learner.uploads import fetch_newer_checkpoint, settle, start_mirror
 from erlay.actors.model.build import shape_of
+from erlay.actors.model.refit import Refit, put_refit, refit_tensors, resolve_dtype
 from erlay.supervisor import failpoints
 from erlay.supervisor.failpoints import Action, failpoint
 
@@ -263,18 +263,25 @@ class Learner(LearnerCore):
         writer = self._checkpointer.writer if self._checkpointer is not None else None
         return None if writer is None else {"step": writer[0], "pid": writer[1]}
 
-    def publish(self) -> tuple[int, list[Any]]:
-        """``(version, [ref])``: the current weights put in the object store.
+    def publish(self) -> Refit:
+        """The current weights as a :class:`~erlay.actors.model.refit.Refit`: packed in the
+        engines' dtype (``options.serving_dtype``) one bucket at a time, each bucket put in
+        the object store as soon as it is built, so this rank holds at most one bucket beyond
+        its model.  With LoRA only the adapters (and ``mtp.*``) move, or, with
+        ``options.refit_merge_lora`` (vLLM), the merged weights.  Read under the lock: no
+        step runs in between, so the refit is one version.
 
-        The ref sits in a list so that Ray hands it to the caller as a ref instead of
-        resolving it.  This actor owns the object: it stays readable while this incarnation
-        lives, so engines should fetch it before the learner could be restarted, and a new
-        incarnation publishes again.  Raises RuntimeError on ranks other than 0.
+        This actor owns the objects: they stay readable while this incarnation lives, so
+        the coordinator re-puts them, bucket by bucket, and a new incarnation publishes
+        again.  Raises RuntimeError on ranks other than 0.
         """
         if self.rank != 0:
             raise RuntimeError(f"learner rank {self.rank} does not publish weights; rank 0 does")
-        version, weights = self.versioned_weights()
-        return version, [ray.put(weights)]
+        with self._lock:
+            model = self._serving_model()
+            return put_refit(self._version, refit_tensors(
+                model, merge_lora=self.options.refit_merge_lora),
+                resolve_dtype(self.options.serving_dtype, model))
 
     def erlay_terminate(self) -> None:
         """On a polite shutdown, commit pending checkpoints (waiting on a stuck worker at most

@@ -8,3 +8,10 @@ from erlay.supervisor.errors import ErlayError
 
 class ModelLoadError(ErlayError, ValueError):
     """A model named by ``model.hf`` cannot be found or loaded; the message says which."""
+
+
+class WeightsMismatch(ErlayError, ValueError):
+    """A weight update does not fit the served model (missing, unexpected or reshaped tensors);
+    nothing was loaded.  Re-exported by :mod:`erlay.actors.engine.api`, the protocol it belongs
+    to; defined here so that :mod:`erlay.actors.model.refit` raises it without importing the
+    engine room."""

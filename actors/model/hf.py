@@ -266,9 +266,10 @@ class HFPolicy(nn.Module):
         return self._parts["embed"]
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
-               cache: KVCache | KVBuffer | None = None
+               cache: KVCache | KVBuffer | None = None, *, keep_cache: bool = True
                ) -> tuple[torch.Tensor, KVCache | KVBuffer]:
-        """Final hidden states ``[B, T, D]`` and the updated cache (module docstring).
+        """Final hidden states ``[B, T, D]`` and the updated cache (module docstring);
+        ``keep_cache=False`` (scoring: no decode follows) builds none.
 
         A :class:`~erlay.actors.model.policy.KVBuffer` cache (the decode loop's, after its
         ``reserve``) is updated in place and returned; for a Llama-style decoder stack
@@ -291,7 +292,7 @@ class HFPolicy(nn.Module):
                 cache.write(i, k[:, :, -t:], v[:, :, -t:])
             cache.commit()
             return h, cache
-        use_cache = not torch.is_grad_enabled() or cache is not None
+        use_cache = cache is not None or (keep_cache and not torch.is_grad_enabled())
         past = None
         if use_cache:
             past = DynamicCache(ddp_cache_data=cache, config=self.lm.config) if cache \

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from erlay.actors.model.logprobs import DEFAULT_CHUNK_BYTES, target_logprobs
+
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -261,10 +263,11 @@ class PolicyModel(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
-               cache: KVCache | KVBuffer | None = None
+               cache: KVCache | KVBuffer | None = None, *, keep_cache: bool = True
                ) -> tuple[torch.Tensor, KVCache | KVBuffer]:
         """Final hidden states ``[B, T, D]`` and the updated cache (a :class:`KVBuffer`
-        cache is updated in place, after :meth:`KVBuffer.reserve`, and returned)."""
+        cache is updated in place, after :meth:`KVBuffer.reserve`, and returned);
+        ``keep_cache=False`` (scoring: no decode follows) returns an empty one."""
         t = tokens.shape[1]
         s = key_mask.shape[1]
         if int(positions.max()) >= self.cfg.max_seq_len:
@@ -288,7 +291,8 @@ class PolicyModel(nn.Module):
         new_cache: KVCache = []
         for i, block in enumerate(self.blocks):
             x, kv = block(x, mask, cache[i] if cache is not None else None)
-            new_cache.append(kv)
+            if keep_cache:
+                new_cache.append(kv)
         return self.norm(x), new_cache
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
@@ -326,40 +330,69 @@ def left_pad(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
     return tokens, positions, mask
 
 
-def sequence_logprobs(model: PolicyModel, prompts: list[list[int]],
-                      completions: list[list[int]],
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs of each completion given its prompt, in one forward pass.
+@dataclass(frozen=True)
+class CompletionScores:
+    """:func:`score_completions`'s answer: ``logprobs`` and ``mask`` ``[B, L]`` (``L`` the
+    longest completion; entry ``[b, i]`` is completion ``b``'s token ``i``, the mask True
+    where it exists) and, when asked for, ``entropy`` ``[B, L]`` (no gradient)."""
 
-    Returns ``(logprobs, mask)``, both ``[B, L]`` with ``L`` the longest completion; entry
-    ``[b, i]`` is log p(completion_b[i] | prompt_b, completion_b[:i]) under
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+def score_completions(model: PolicyModel, prompts: list[list[int]],
+                      completions: list[list[int]], temperature: float = 1.0, *,
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      compute_dtype: torch.dtype | None = None,
+                      entropy: bool = False) -> CompletionScores:
+    """Per-token logprobs of each completion given its prompt, in one forward pass of the
+    decoder stack.
+
+    Entry ``[b, i]`` is log p(completion_b[i] | prompt_b, completion_b[:i]) under
     ``softmax(logits / temperature)``, the distribution the engine sampled from (a
-    temperature of 0, greedy decoding, is scored at 1 as the engine does).  Differentiable.
+    temperature of 0, greedy decoding, is scored at 1 as the engine does).  Only the
+    positions that predict a completion token reach the output head, and their logits are
+    made in chunks of ``chunk_bytes`` (:func:`erlay.actors.model.logprobs.target_logprobs`):
+    no ``[tokens, vocabulary]`` tensor exists whole.  Differentiable.
     """
     seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     tokens, positions, mask = left_pad(seqs)
-    logits, _ = model(tokens, positions, mask)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    width = max((len(c) for c in completions), default=0)
-    out = torch.zeros((len(seqs), width))
-    out_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    total = tokens.shape[1]
-    rows, cols, targets, dest_rows, dest_cols = [], [], [], [], []
-    for b, comp in enumerate(completions):
-        for i, tok in enumerate(comp):
-            slot = total - len(comp) + i          # where the token sits
-            rows.append(b)
-            cols.append(slot - 1)                 # predicted from the slot before
-            targets.append(tok)
-            dest_rows.append(b)
-            dest_cols.append(i)
-    if rows:
-        picked = logp[torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)]
-        out = out.index_put((torch.tensor(dest_rows), torch.tensor(dest_cols)), picked)
-        out_mask[torch.tensor(dest_rows), torch.tensor(dest_cols)] = True
-    return out, out_mask
+    # No cache: scoring decodes nothing after, and an HF model's no-grad pass would otherwise
+    # keep every layer's keys and values of the whole batch.
+    hidden, _ = model.hidden(tokens, positions, mask, keep_cache=False)
+    device = hidden.device
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.long, device=device)
+    width = int(lengths.max()) if len(completions) else 0
+    n = int(lengths.sum())
+    rows = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
+    cols = torch.arange(n, device=device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths)
+    # Completion b's token i sits at slot total - len(c_b) + i and is predicted from the
+    # slot before.
+    slots = tokens.shape[1] - lengths[rows] + cols - 1
+    targets = torch.tensor([t for c in completions for t in c], dtype=torch.long,
+                           device=device)
+    scored = target_logprobs(hidden[rows, slots], model.head, targets, temperature=temperature,
+                             chunk_bytes=chunk_bytes, compute_dtype=compute_dtype,
+                             entropy=entropy)
+    out = torch.zeros((len(seqs), width), dtype=torch.float32, device=device)
+    out = out.index_put((rows, cols), scored.logprobs)
+    out_mask = torch.zeros((len(seqs), width), dtype=torch.bool, device=device)
+    out_mask[rows, cols] = True
+    ent = None
+    if scored.entropy is not None:
+        ent = torch.zeros((len(seqs), width), dtype=torch.float32, device=device)
+        ent[rows, cols] = scored.entropy
+    return CompletionScores(out, out_mask, ent)
+
+
+def sequence_logprobs(model: PolicyModel, prompts: list[list[int]],
+                      completions: list[list[int]],
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, mask)`` of :func:`score_completions`, both ``[B, L]``.  Differentiable."""
+    scores = score_completions(model, prompts, completions, temperature)
+    return scores.logprobs, scores.mask
 
 
 def state_to_numpy(model: nn.Module) -> dict[str, Any]:

@@ -33,6 +33,17 @@ status is 1.  The phases, and what each figure measures (from what event to what
   batch.  ``step_s``: a train step, call until it returns with the device synchronised,
   median of the steps after the first (the first is ``first_step_s``); ``tokens_per_s`` =
   the batch's tokens / ``step_s``.
+- ``colocated``: a learner rank and an engine on one device, in one process (the memory
+  hand-off of ``placement.colocate``, docs/scaling.md): the same Qwen2 shape as ``learner``,
+  a :class:`~erlay.actors.learner.core.LearnerCore` and an engine-side policy decoding with
+  :class:`~erlay.actors.engine.core.DecodeBatch`.  In turn: ``generate`` (half the tokens of
+  a batch, its KV cache held), ``free`` (the batch released and the allocator's cache
+  emptied, as a sleeping torch engine does), ``train`` (one GRPO step), ``refit`` (the
+  learner's weights copied into the engine's parameters in place) and ``generate_again``
+  (the released requests prefilled again and finished).  Per stage: ``peak_gib``
+  (``torch.cuda.max_memory_allocated``, its peak reset at the stage's start) and
+  ``allocated_gib`` after it; ``kv_cache_gib``: what ``free`` handed back.  CUDA only
+  figures; on the CPU the memory is null and the stages still run.
 
 Writes one JSON object to ``--out`` (default ``$OUT/gpu_lane.json`` when ``$OUT`` is set,
 else ``bench/gpu/out/gpu_lane.json``) and prints the same JSON as the last stdout line.
@@ -62,10 +73,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-PHASES = ("mtp", "checkpoint", "learner")
+PHASES = ("mtp", "checkpoint", "learner", "colocated")
 # Seconds per phase, a ceiling (each phase also stops at the global deadline).  They add up
 # to less than the deadline: every phase pays its own start (torch, transformers, erlay).
-BUDGET_S = {"mtp": 80.0, "checkpoint": 60.0, "learner": 110.0}
+BUDGET_S = {"mtp": 80.0, "checkpoint": 60.0, "learner": 110.0, "colocated": 60.0}
 DEADLINE_S = 270.0              # the whole lane; run.sh allows 290 s with the wheels' install
 ABSENT = ("ray", "vllm")        # not on the device machine: hidden here too
 SITE_ENV = "ERLAY_LANE_SITE"    # where run.sh installed the shipped wheels
@@ -369,8 +380,80 @@ def phase_learner(args: argparse.Namespace) -> dict[str, Any]:
             "peak_mem_gib": round(hf_smoke.peak_memory_gib(args.device), 2)}
 
 
+def phase_colocated(args: argparse.Namespace) -> dict[str, Any]:
+    import hf_smoke
+    import torch
+
+    from erlay.actors.engine.api import GenerationRequest
+    from erlay.actors.engine.core import DecodeBatch
+    from erlay.actors.engine.core import Sequence as Seq
+    from erlay.actors.engine.dormancy import free_device_cache
+    from erlay.actors.learner.core import LearnerCore
+    from erlay.actors.model.build import build_policy
+    gpu = args.device.startswith("cuda")
+    size = args.size or ("0.5b" if gpu else "tiny")
+    groups, group_size, plen, clen = (4, 8, 128, 64) if gpu else (2, 2, 8, 8)
+    dtype = "bfloat16" if gpu else "float32"
+    model_dir = hf_smoke.write_config(Path(tempfile.mkdtemp(prefix="erlay-lane-colo-",
+                                                            dir=args.workdir)), size)
+    spec = {"hf": str(model_dir), "init": "random", "dtype": dtype, "trust_remote_code": False,
+            "lora": None, "mtp_heads": 0, "max_seq_len": None}
+    core = LearnerCore(spec, lr=1e-5, seed=0, torch_threads=args.threads, device=args.device)
+    vocab = hf_smoke.SIZES[size]["vocab_size"]
+    train = hf_smoke.synthetic_batch(core, vocab, groups, group_size, plen, clen, seed=1)
+    stages: dict[str, dict[str, float | None]] = {}
+
+    def stage(name: str, work: Callable[[], Any]) -> Any:
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = work()
+        sync(args.device)
+        stages[name] = {"s": round(time.perf_counter() - t0, 4),
+                        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)
+                        if gpu else None,
+                        "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3)
+                        if gpu else None}
+        return out
+
+    with torch.device(args.device):   # DecodeBatch makes its inputs on the default device
+        engine = build_policy(spec, seed=0, for_engine=True).eval()
+        seqs = [Seq(GenerationRequest(f"c{i}", tuple(train.prompt_ids[i]), clen, seed=i,
+                                      stop_ids=())) for i in range(groups * group_size)]
+        batch = DecodeBatch(engine)
+
+        def generate(steps: int) -> None:
+            if not batch.rows:
+                batch.admit([s for s in seqs if not s.finished])
+            for _ in range(steps):
+                if batch.rows:
+                    batch.step()
+
+        def refit() -> int:
+            learned = core.model.state_dict()
+            with torch.no_grad():
+                served = engine.state_dict()
+                for name, tensor in served.items():
+                    tensor.copy_(learned[name])
+            return len(served)
+
+        stage("generate", lambda: generate(clen // 2))
+        before = torch.cuda.memory_allocated() if gpu else 0
+        stage("free", lambda: (batch.release(), free_device_cache(gpu)))
+        freed = before - torch.cuda.memory_allocated() if gpu else 0
+        metrics = stage("train", lambda: core.train_step(train))
+        tensors = stage("refit", refit)
+        stage("generate_again", lambda: generate(clen))
+    shutil.rmtree(model_dir, ignore_errors=True)
+    return {"stages": stages, "kv_cache_gib": round(freed / 2**30, 3) if gpu else None,
+            "refit_tensors": tensors, "loss": round(float(metrics["loss"]), 4),
+            "all_finished": all(s.finished for s in seqs), "size": size, "dtype": dtype,
+            "sequences": len(seqs)}
+
+
 PHASE_FNS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "mtp": phase_mtp, "checkpoint": phase_checkpoint, "learner": phase_learner}
+    "mtp": phase_mtp, "checkpoint": phase_checkpoint, "learner": phase_learner,
+    "colocated": phase_colocated}
 
 
 def outside_modules() -> list[str]:

@@ -310,7 +310,7 @@ def test_manifest_runs_an_erlay_job_that_can_start(name: str) -> None:
 def test_the_cpu_manifest_runs_the_cpu_default_and_the_gpu_one_the_qwen_config() -> None:
     configs = {name: shlex.split(m["spec"]["entrypoint"])[2] for name, m in manifests().items()}
     assert configs == {CPU: f"{erlay_home()}/configs/cpu.yaml",
-                       GPU: f"{erlay_home()}/configs/qwen2.5-0.5b-gsm8k.yaml"}
+                       GPU: f"{erlay_home()}/configs/qwen2.5-0.5b-gsm8k-split.yaml"}
 
 
 def test_the_crd_header_names_the_kuberay_release_and_the_docs_state_it() -> None:

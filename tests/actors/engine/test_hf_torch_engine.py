@@ -14,6 +14,7 @@ from erlay.actors.engine.core import run_to_completion
 from erlay.actors.engine.torch_engine import TorchEngine
 from erlay.actors.learner.core import LearnerCore
 from erlay.actors.model.build import build_policy, load_engine_state
+from erlay.actors.model.refit import put_refit, refit_tensors
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
 from erlay.supervisor.tree import ChildRef, SupervisionTree
 from tests.actors.model.hf_tiny import SHAPE, spec
@@ -64,7 +65,8 @@ def test_the_engine_serves_an_hf_model_and_the_learners_updates(
     completions = [[40, 41, 42, 43]] * 3
     learner.sft(prompts, completions, steps=2, batch_size=3)
     version, state = learner.versioned_weights()
-    assert ray.get(engine.update_weights.remote(version, state)) == version
+    refit = put_refit(version, refit_tensors(learner.model), "float32")
+    assert ray.get(engine.update_weights.remote(refit)) == version
     again = [GenerationRequest(f"{r.request_id}-v1", r.prompt_ids, 16, seed=r.seed,
                                stop_ids=()) for r in reqs]
     want = [s.completion for s in run_to_completion(local(model_spec, state), again)]

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from erlay.actors.engine.api import EngineFailed, GenerationRequest, TokenChunk, WeightsMismatch
+from erlay.actors.engine.api import (
+    EngineFailed,
+    GenerationRequest,
+    RefitUnavailable,
+    TokenChunk,
+    WeightsMismatch,
+)
 from erlay.actors.engine.torch_engine import TorchEngine
 from erlay.actors.model.policy import PolicyConfig
+from erlay.actors.model.refit import Refit, put_refit
 from erlay.actors.model.tokenizer import CharTokenizer
 
 CONFIG = PolicyConfig(vocab_size=CharTokenizer().vocab_size, d_model=32, n_layers=1, n_heads=2,
@@ -28,6 +36,18 @@ def engine(**kw: Any) -> TorchEngine:
 def request(rid: str, new: int = 80, **kw: Any) -> dict[str, Any]:
     kw.setdefault("stop_ids", ())
     return GenerationRequest(rid, (1, 10, 11), new, seed=7, **kw).to_dict()
+
+
+def local_refit(version: int, state: dict[str, Any]) -> Refit:
+    """``state`` as a refit whose buckets are already-resolved futures of this loop (no Ray:
+    the engine awaits each bucket under its deadline, whatever the awaitable)."""
+    loop = asyncio.get_running_loop()
+
+    def put(buffer: Any) -> asyncio.Future[Any]:
+        future = loop.create_future()
+        future.set_result(buffer)
+        return future
+    return put_refit(version, state, "float32", put=put)
 
 
 async def drain(stream: AsyncIterator[dict[str, Any]]) -> list[TokenChunk]:
@@ -85,10 +105,26 @@ def test_mismatched_weights_are_refused_and_the_version_is_kept() -> None:
         eng = engine(version=3)
         state = {"embed.weight": np.zeros((5, 5), dtype=np.float32)}
         with pytest.raises(WeightsMismatch, match="missing"):
-            await eng.update_weights(4, state)
+            await eng.update_weights(local_refit(4, state))
         return await eng.version()
 
     assert asyncio.run(scenario()) == 3
+
+
+def test_a_refit_whose_bucket_never_comes_times_out_and_keeps_the_version() -> None:
+    async def scenario() -> tuple[int, bool]:
+        eng = engine(version=3, refit_bucket_timeout_s=0.2)
+        before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+        state = {k: np.zeros(tuple(v.shape), dtype=np.float32)
+                 for k, v in eng.model.state_dict().items()}
+        good = local_refit(4, state)
+        never = asyncio.get_running_loop().create_future()   # a fetch that hangs
+        with pytest.raises(RefitUnavailable, match=r"no answer within 0\.2 s"):
+            await eng.update_weights(replace(good, refs=(*good.refs[:-1], never)))
+        same = all(torch.equal(before[k], v) for k, v in eng.model.state_dict().items())
+        return await eng.version(), same
+
+    assert asyncio.run(scenario()) == (3, True)
 
 
 def test_failing_decode_loop_fails_held_requests_and_reports_an_exit() -> None:
@@ -96,7 +132,7 @@ def test_failing_decode_loop_fails_held_requests_and_reports_an_exit() -> None:
         eng = engine()
         poisoned = {k: np.full_like(v.numpy(), np.nan)
                     for k, v in eng.model.state_dict().items()}
-        assert await eng.update_weights(1, poisoned) == 1
+        assert await eng.update_weights(local_refit(1, poisoned)) == 1
         with pytest.raises(EngineFailed, match="finite probability") as failed:
             await drain(eng.generate(request("victim")))
         exit_reason = await asyncio.wait_for(eng.erlay_wait(), 5)

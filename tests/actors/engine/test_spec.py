@@ -17,6 +17,7 @@ from erlay.actors.engine.api import GenerationRequest, TokenChunk
 from erlay.actors.engine.core import run_to_completion
 from erlay.actors.engine.torch_engine import TorchEngine
 from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
+from erlay.actors.model.refit import put_refit
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
 from erlay.supervisor.tree import ChildRef, SupervisionTree
 
@@ -104,13 +105,13 @@ def test_abort_mid_stream_and_updates_carry_the_heads(engine: ChildRef) -> None:
     assert collect(stream)[-1].finish_reason == "abort"
     assert any(k.startswith("mtp.") for k in OTHER)
     version = ray.get(engine.version.remote()) + 1
-    assert ray.get(engine.update_weights.remote(version, OTHER)) == version
+    assert ray.get(engine.update_weights.remote(put_refit(version, OTHER, "float32"))) == version
     req = request("after-update", 30)
     assert tokens_of(collect(engine.generate.remote(req.to_dict()))) == \
         run_to_completion(local(OTHER), [req])[0].completion
     no_heads = {k: v for k, v in BASE.items() if not k.startswith("mtp.")}
     with pytest.raises(Exception, match="missing"):
-        ray.get(engine.update_weights.remote(version + 1, no_heads))
+        ray.get(engine.update_weights.remote(put_refit(version + 1, no_heads, "float32")))
 
 
 def test_speculation_without_heads_is_refused() -> None:

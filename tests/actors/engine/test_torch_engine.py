@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from erlay.actors.engine.api import GenerationRequest, TokenChunk
+from erlay.actors.engine.api import GenerationRequest, RefitUnavailable, TokenChunk
 from erlay.actors.engine.boot import STAGES as BOOT_STAGES
 from erlay.actors.engine.core import run_to_completion
 from erlay.actors.engine.torch_engine import TorchEngine
 from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
+from erlay.actors.model.refit import put_refit
 from erlay.actors.model.tokenizer import CharTokenizer
 from erlay.supervisor.events import EventKind, MemorySink
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
@@ -64,7 +65,7 @@ def serve(engine: ChildRef, state: dict[str, Any]) -> int:
     """Make the engine serve ``state`` under a new version; returns that version."""
     import ray
     version = ray.get(engine.version.remote()) + 1
-    assert ray.get(engine.update_weights.remote(version, state)) == version
+    assert ray.get(engine.update_weights.remote(put_refit(version, state, "float32"))) == version
     return version
 
 
@@ -154,6 +155,45 @@ def test_update_weights_changes_outputs_and_tags_the_new_version(engine: ChildRe
     assert tokens_of(after) == run_to_completion(local_model(OTHER), [req])[0].completion
 
 
+def test_a_bf16_refit_serves_the_new_weights_and_moves_two_bytes_per_parameter(
+        engine: ChildRef) -> None:
+    import ray
+    req = request("bf16-refit", 24)
+    refit = put_refit(ray.get(engine.version.remote()) + 1, OTHER, "bfloat16",
+                      bucket_bytes=64 * 1024)
+    params = sum(v.size for v in OTHER.values())
+    assert len(refit.manifest.buckets) > 1
+    assert sum(s.nbytes for s in refit.manifest.slots()) == params * 2
+    assert sum(len(ray.get(r)) for r in refit.refs) == refit.manifest.nbytes
+    assert ray.get(engine.update_weights.remote(refit)) == refit.version
+    rounded = {k: torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+               for k, v in OTHER.items()}
+    assert tokens_of(collect(engine.generate.remote(req.to_dict()))) == \
+        run_to_completion(local_model(rounded), [req])[0].completion
+
+
+def _failed_put(buffer: Any) -> Any:
+    raise MemoryError("object store full")   # the put that made this bucket failed
+
+
+def test_a_refit_with_a_failed_bucket_keeps_the_old_version_and_weights(
+        engine: ChildRef) -> None:
+    """The planted bug: one bucket's ref holds an error instead of its bytes (its put
+    failed), behind good buckets.  Nothing is written and the version stays."""
+    import ray
+    old = serve(engine, BASE)
+    good = put_refit(old + 1, OTHER, "float32", bucket_bytes=64 * 1024)
+    assert len(good.refs) > 1
+    failed = ray.remote(_failed_put).options(num_cpus=0, max_retries=0).remote(None)
+    broken = replace(good, refs=(*good.refs[:-1], failed))
+    with pytest.raises(RefitUnavailable, match="cannot fetch"):
+        ray.get(engine.update_weights.remote(broken))
+    assert ray.get(engine.version.remote()) == old
+    req = request("after-failed-bucket", 24)
+    assert tokens_of(collect(engine.generate.remote(req.to_dict()))) == \
+        run_to_completion(local_model(BASE), [req])[0].completion
+
+
 def test_update_mid_stream_splits_versions_and_continues_like_a_resume(engine: ChildRef) -> None:
     import ray
     old = serve(engine, BASE)
@@ -161,7 +201,7 @@ def test_update_mid_stream_splits_versions_and_continues_like_a_resume(engine: C
     req = request("straddle", 80, chunk_tokens=4)
     stream = engine.generate.remote(req.to_dict())
     chunks = [TokenChunk.from_dict(ray.get(next(stream)))]
-    new = ray.get(engine.update_weights.remote(old + 1, OTHER))
+    new = ray.get(engine.update_weights.remote(put_refit(old + 1, OTHER, "float32")))
     chunks += collect(stream)
     for f in fillers:
         collect(f)

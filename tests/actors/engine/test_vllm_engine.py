@@ -28,6 +28,7 @@ from erlay.actors.engine import staging
 from erlay.actors.engine.api import EngineFailed, GenerationRequest, TokenChunk
 from erlay.actors.engine.boot import STAGES as BOOT_STAGES
 from erlay.actors.model.policy import PolicyConfig, PolicyModel, sequence_logprobs, state_to_numpy
+from erlay.actors.model.refit import put_refit
 from erlay.supervisor.events import EventKind, MemorySink
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
 from erlay.supervisor.tree import ChildRef, SupervisionTree
@@ -241,14 +242,16 @@ def test_weight_update_changes_outputs_and_the_served_version(tree: Any) -> None
     before = tokens_of(collect(eng.generate.remote(request("w-1", new=24,
                                                            temperature=0.0).to_dict())))
     version = ray.get(eng.version.remote()) + 1
-    assert ray.get(eng.update_weights.remote(version, OTHER)) == version
+    assert ray.get(eng.update_weights.remote(put_refit(version, OTHER, "float32"))) == version
     assert ray.get(eng.version.remote()) == version
     chunks = collect(eng.generate.remote(request("w-2", new=24, temperature=0.0).to_dict()))
     assert {c.version for c in chunks} == {version}
     assert tokens_of(chunks) != before, "new weights must change the greedy tokens"
     with pytest.raises(Exception, match="do not fit"):
-        ray.get(eng.update_weights.remote(version + 1, {"embed.weight": OTHER["embed.weight"]}))
-    assert ray.get(eng.update_weights.remote(version + 1, BASE)) == version + 1
+        ray.get(eng.update_weights.remote(put_refit(
+            version + 1, {"embed.weight": OTHER["embed.weight"]}, "float32")))
+    assert ray.get(eng.update_weights.remote(put_refit(version + 1, BASE, "bfloat16"))) == \
+        version + 1
     # The boot timeline bench/engine_restart.py reads: every mark vLLM has, the start-up's
     # in order, and the first weights and request after it.
     marks = ray.get(eng.boot_timeline.remote())
@@ -264,7 +267,8 @@ def test_update_during_a_stream_never_mixes_versions(tree: Any) -> None:
     stream = eng.generate.remote(request("mid", new=60, chunk_tokens=2).to_dict())
     # How many tokens the first chunk holds depends on timing: count them.
     first = TokenChunk.from_dict(ray.get(next(stream)))
-    assert ray.get(eng.update_weights.remote(start + 1, OTHER)) == start + 1
+    assert ray.get(eng.update_weights.remote(put_refit(start + 1, OTHER, "float32"))) == \
+        start + 1
     chunks = [first, *collect(stream)]
     assert chunks[-1].finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks) == 60

@@ -21,6 +21,7 @@ import pytest
 from erlay.actors.engine.api import GenerationRequest, TokenChunk
 from erlay.actors.job.export import export_run
 from erlay.actors.learner.core import LearnerCore
+from erlay.actors.model.refit import put_refit, refit_tensors
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
 from erlay.supervisor.tree import ChildRef, SupervisionTree
 from tests.actors.job.hf_runs import Run, make_run
@@ -92,11 +93,12 @@ def test_a_weight_update_by_hf_name_serves_the_new_weights(served: Served) -> No
     before, _ = tokens_and_logprobs(generate(engine, "w-0", prompt, 16, temperature=0.0))
     other = LearnerCore({"hf": str(run.source), "init": "random", "dtype": "float32",
                          "lora": None, "mtp_heads": 1, "max_seq_len": 64}, seed=9)
-    state = other.weights()
+    state = refit_tensors(other.model, merge_lora=True)
     assert any(k.startswith("mtp.") for k in state)
     assert "model.layers.0.self_attn.q_proj.weight" in state   # HF's own names
     version = ray.get(engine.version.remote()) + 1
-    assert ray.get(engine.update_weights.remote(version, state)) == version
+    assert ray.get(engine.update_weights.remote(put_refit(version, state, "float32"))) == \
+        version
     chunks = generate(engine, "w-1", prompt, 16, temperature=0.0)
     assert {c.version for c in chunks} == {version}
     tokens, logprobs = tokens_and_logprobs(chunks)
@@ -105,8 +107,8 @@ def test_a_weight_update_by_hf_name_serves_the_new_weights(served: Served) -> No
     sampled, sampled_lp = tokens_and_logprobs(generate(engine, "w-2", prompt, 12))
     assert_close(sampled_lp, other.evaluate_logprobs([prompt], [sampled])[0])
     # A state that does not fit the served model is refused before anything loads.
-    partial = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    partial = {k: v for k, v in state.items() if k != "model.norm.weight"}
     with pytest.raises(Exception, match="do not fit"):
-        ray.get(engine.update_weights.remote(version + 1, partial))
+        ray.get(engine.update_weights.remote(put_refit(version + 1, partial, "float32")))
     assert ray.get(engine.version.remote()) == version
 

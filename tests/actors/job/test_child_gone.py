@@ -16,7 +16,8 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from erlay.actors.job.coordinator import RolloutCoordinator
-from erlay.actors.job.domains import EnginePool, SandboxClient, Weights
+from erlay.actors.job.domains import EnginePool, SandboxClient
+from erlay.actors.model.refit import Refit, RefitManifest
 from erlay.supervisor.errors import ChildNotRunning
 from erlay.supervisor.spec import ChildSpec, InProcessStart, SupervisorFlags
 from erlay.supervisor.tree import SupervisionTree
@@ -111,16 +112,16 @@ class FakeEngine:
             raise ChildNotRunning(f"{self.path} is no longer a child")
         return 1
 
-    def remote(self, version: int, ref: Any) -> Any:
+    def remote(self, refit: Refit) -> Any:
         async def load() -> None:
-            self.loaded.append(version)
+            self.loaded.append(refit.version)
         return load()
 
 
 def test_publishing_weights_passes_over_an_engine_gone_since_it_was_seen_running() -> None:
     live, gone = FakeEngine("g/e1"), FakeEngine("g/e2", gone=True)
     pool = EnginePool(FakeTree(live, gone), [live.path, gone.path])  # type: ignore[arg-type]
-    asyncio.run(pool.publish(Weights(7, None)))
+    asyncio.run(pool.publish(Refit(RefitManifest(7, "float32", ()), ())))
     assert live.loaded == [7] and gone.loaded == []
     assert pool._admitted == {"g/e1": 1}
 

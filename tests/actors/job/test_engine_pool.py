@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from erlay.actors.engine.api import EngineFailed
-from erlay.actors.job.domains import EngineBatcher, EnginePool, EngineRequestFailed, Weights
+from erlay.actors.job.domains import EngineBatcher, EnginePool, EngineRequestFailed
+from erlay.actors.model.refit import Refit, RefitManifest
 from erlay.supervisor.errors import ChildNotRunning
 
 
@@ -37,14 +38,19 @@ class FakeEngine:
             raise ChildNotRunning(f"{self.path} is restarting")
         return object()
 
-    def remote(self, version: int, ref: Any) -> Any:
+    def remote(self, refit: Refit) -> Any:
         async def load() -> int:
             if self.failure is not None:
                 raise self.failure
             await self.loads.wait()
-            self.loaded.append(version)
-            return version
+            self.loaded.append(refit.version)
+            return refit.version
         return load()
+
+
+def weights(version: int) -> Refit:
+    """A published version with no buckets (the fakes never fetch them)."""
+    return Refit(RefitManifest(version, "float32", ()), ())
 
 
 class FakeTree:
@@ -58,7 +64,7 @@ class FakeTree:
 def pool_of(*engines: FakeEngine, serving: tuple[FakeEngine, ...] = ()) -> EnginePool:
     """A pool over ``engines`` with weights v3 published; ``serving`` are admitted."""
     pool = EnginePool(FakeTree(*engines), [e.path for e in engines])  # type: ignore[arg-type]
-    pool.weights = Weights(3, None)
+    pool.weights = weights(3)
     for engine in serving:
         pool._admitted[engine.path] = engine.incarnation
     return pool
@@ -127,7 +133,7 @@ def test_a_weight_push_passes_over_an_engine_whose_decode_loop_died() -> None:
     live = FakeEngine("g/e1")
     live.loads.set()
     pool = pool_of(failed, live, serving=(failed, live))
-    asyncio.run(pool.publish(Weights(4, None)))   # does not raise
+    asyncio.run(pool.publish(weights(4)))   # does not raise
     assert pool._admitted == {"g/e1": 1} and live.loaded == [4]
 
 

@@ -15,7 +15,8 @@ CONFIGS = REPO / "configs"
 
 
 @pytest.mark.parametrize("name", ["cpu.yaml", "cpu-builtin.yaml", "gsm8k-tiny.yaml",
-                                  "qwen2.5-0.5b-gsm8k.yaml"])
+                                  "qwen2.5-0.5b-gsm8k.yaml", "qwen2.5-0.5b-gsm8k-split.yaml",
+                                  "qwen2.5-1.5b-gsm8k.yaml", "qwen2.5-7b-gsm8k.yaml"])
 def test_shipped_configs_validate(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert cfg.run.steps >= 1
@@ -29,10 +30,17 @@ def test_the_cpu_default_is_a_tiny_qwen2_from_the_shipped_directory() -> None:
 
 
 def test_the_gpu_config_puts_learner_and_engines_on_gpus() -> None:
-    cfg = load_config(CONFIGS / "qwen2.5-0.5b-gsm8k.yaml")
+    cfg = load_config(CONFIGS / "qwen2.5-0.5b-gsm8k-split.yaml")
     assert cfg.learner.device == "cuda" and cfg.learner.num_gpus == 1
     assert cfg.engine.backend == "vllm" and cfg.engine.vllm.num_gpus == 1
     assert cfg.data.chat and cfg.judge.cls == "erlay.judges.math:MathJudge"
+
+
+def test_the_one_gpu_config_colocates_a_learner_rank_and_an_engine() -> None:
+    cfg = load_config(CONFIGS / "qwen2.5-0.5b-gsm8k.yaml")
+    assert cfg.placement.colocate and cfg.engine.num_engines == cfg.learner.num_ranks == 1
+    assert cfg.learner.num_gpus + cfg.engine.vllm.num_gpus == 1
+    assert cfg.learner.precision == "bf16-mixed"
 
 
 def test_learner_device_is_checked() -> None:

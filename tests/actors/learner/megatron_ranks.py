@@ -101,9 +101,11 @@ def main(rank: int, port: int, model_dir: str, out: str) -> None:
     batch = None
     reference = None
     for i, (name, tp, dp) in enumerate((("tp2", 2, 1), ("dp2", 1, 2))):
+        # Micro-batches of 16 tokens (a row or two each) against the HF learner's one pass:
+        # the same step, with megatron's gradients accumulated.
         learner = MegatronLearner(spec, device="cpu", rank=rank, world_size=2,
                                   master_port=port + i, tensor_parallel=tp,
-                                  data_parallel=dp, **hyper)
+                                  data_parallel=dp, micro_batch_tokens=16, **hyper)
         if batch is None:
             batch = grpo_batch(core, learner.shape.vocab_size)
             reference = core.train_step(batch)

@@ -16,7 +16,8 @@ import pytest
 
 from erlay.actors.learner.core import TrainBatch
 from erlay.actors.learner.rank import Learner
-from erlay.actors.model.policy import PolicyConfig, PolicyModel, load_numpy_state, state_to_numpy
+from erlay.actors.model.policy import PolicyConfig, PolicyModel, state_to_numpy
+from erlay.actors.model.refit import copy_bucket, refit_targets
 from erlay.supervisor.spec import ActorStart, ChildSpec, SupervisorFlags
 from erlay.supervisor.tree import SupervisionTree
 from tests.actors.learner.test_core import MODEL, arithmetic_batch, learner
@@ -72,11 +73,13 @@ def test_published_weights_load_into_a_fresh_policy(ranks: list[Any]) -> None:
     import ray
     rank0 = ranks[0]
     step_all(ranks, arithmetic_batch(learner(seed=5)))
-    version, (weights_ref,) = ray.get(rank0.publish.remote(), timeout=60)
-    assert isinstance(weights_ref, ray.ObjectRef)
-    assert version == ray.get(rank0.version.remote(), timeout=60) >= 1
+    refit = ray.get(rank0.publish.remote(), timeout=60)
+    assert refit.refs and all(isinstance(r, ray.ObjectRef) for r in refit.refs)
+    assert refit.version == ray.get(rank0.version.remote(), timeout=60) >= 1
     fresh = PolicyModel(PolicyConfig(**MODEL))
-    load_numpy_state(fresh, ray.get(weights_ref, timeout=60))
+    targets, aliases = refit_targets(fresh)
+    for bucket, ref in zip(refit.manifest.buckets, refit.refs, strict=True):
+        copy_bucket(targets, aliases, bucket, ray.get(ref, timeout=60))
     expected = ray.get(rank0.weights.remote(), timeout=60)
     loaded = state_to_numpy(fresh)
     assert loaded.keys() == expected.keys()
