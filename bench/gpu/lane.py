@@ -32,7 +32,10 @@ status is 1.  The phases, and what each figure measures (from what event to what
   download), GRPO steps of :class:`~erlay.actors.learner.core.LearnerCore` on a synthetic
   batch.  ``step_s``: a train step, call until it returns with the device synchronised,
   median of the steps after the first (the first is ``first_step_s``); ``tokens_per_s`` =
-  the batch's tokens / ``step_s``.
+  the batch's tokens / ``step_s``.  ``shipped``: the second of two steps at the shipped
+  0.5B config's minibatch (64 rows of 256 + 512 tokens) under the learner's defaults
+  (``micro_batch_tokens`` 16,384, precision bf16-mixed on a GPU): ``peak_gib``
+  (``torch.cuda.max_memory_allocated``, reset at the step's start) and ``tokens_per_s``.
 - ``colocated``: a learner rank and an engine on one device, in one process (the memory
   hand-off of ``placement.colocate``, docs/scaling.md): the same Qwen2 shape as ``learner``,
   a :class:`~erlay.actors.learner.core.LearnerCore` and an engine-side policy decoding with
@@ -370,14 +373,42 @@ def phase_learner(args: argparse.Namespace) -> dict[str, Any]:
         losses.append(float(metrics["loss"]))
     steady = statistics.median(step_s[1:])
     tokens = groups * group_size * (plen + clen)
+    shipped = shipped_minibatch(args, core, hf_smoke.SIZES[size]["vocab_size"], gpu)
     shutil.rmtree(model_dir, ignore_errors=True)
-    return {"step_s": round(steady, 4), "first_step_s": round(step_s[0], 4),
+    return {"shipped": shipped, "step_s": round(steady, 4), "first_step_s": round(step_s[0], 4),
             "step_s_all": [round(s, 4) for s in step_s],
             "tokens_per_s": round(tokens / steady, 1), "batch_tokens": tokens,
             "sequences": groups * group_size, "size": size, "dtype": dtype,
             "model_params": core.model.num_parameters(),
             "loss_finite": bool(np.isfinite(losses).all()),
             "peak_mem_gib": round(hf_smoke.peak_memory_gib(args.device), 2)}
+
+
+def shipped_minibatch(args: argparse.Namespace, core: Any, vocab: int,
+                      gpu: bool) -> dict[str, Any]:
+    """Two steps at the shipped 0.5B config's minibatch (64 rows of 256 + 512 tokens, 8
+    groups of 8; the learner's default ``micro_batch_tokens`` and precision): the second
+    step's ``torch.cuda.max_memory_allocated`` (its peak reset at the step's start; null on
+    CPU) and its tokens/s.  On CPU a small batch of the same form."""
+    import hf_smoke
+    import torch
+    groups, group_size, plen, clen = (8, 8, 256, 512) if gpu else (2, 2, 8, 8)
+    batch = hf_smoke.synthetic_batch(core, vocab, groups, group_size, plen, clen, seed=2)
+    seconds, peak = [], None
+    for _ in range(2):
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        sync(args.device)
+        t0 = time.perf_counter()
+        core.train_step(batch)
+        sync(args.device)
+        seconds.append(time.perf_counter() - t0)
+        peak = round(torch.cuda.max_memory_allocated() / 2**30, 3) if gpu else None
+    tokens = groups * group_size * (plen + clen)
+    return {"rows": groups * group_size, "tokens": tokens, "peak_gib": peak,
+            "step_s": round(seconds[-1], 4), "tokens_per_s": round(tokens / seconds[-1], 1),
+            "micro_batch_tokens": core.options.micro_batch_tokens,
+            "precision": core.precision}
 
 
 def phase_colocated(args: argparse.Namespace) -> dict[str, Any]:
@@ -518,7 +549,11 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     return {"mtp_speedup": get("mtp", "speedup"), "mtp_best_k": get("mtp", "best_k"),
             "checkpoint_exposed_ratio": get("checkpoint", "exposed_ratio"),
             "learner_step_s": get("learner", "step_s"),
-            "learner_tokens_per_s": get("learner", "tokens_per_s")}
+            "learner_tokens_per_s": get("learner", "tokens_per_s"),
+            "learner_shipped_peak_gib": (get("learner", "shipped") or {}).get("peak_gib"),
+            "learner_shipped_tokens_per_s":
+                (get("learner", "shipped") or {}).get("tokens_per_s"),
+            "colocated_kv_cache_gib": get("colocated", "kv_cache_gib")}
 
 
 def versions() -> dict[str, str | None]:
