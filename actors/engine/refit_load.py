@@ -5,12 +5,18 @@ the object store under its own deadline, and checked against the manifest, befor
 written.  A fetch that fails (a lost or freed object, its owner gone, a deadline passed) raises
 :class:`~erlay.actors.engine.api.RefitUnavailable` and the engine keeps its version: there is
 no partial update.  A bucket fetched from the local object store is a read-only, zero-copy
-view of shared memory, so holding them all costs the engine no heap of its own; phase 2 (the
-torch engine's :func:`~erlay.actors.model.refit.copy_bucket`, vLLM's staging) reads them.
+view of shared memory, so holding them all costs the engine no heap of its own.  Phase 2
+(the torch engine's :func:`~erlay.actors.model.refit.copy_bucket` with :func:`release_range`,
+vLLM's staging) reads them and hands each chunk's pages back once it is copied, so the
+engine's resident memory grows by about one chunk during a refit, never by a second copy of
+the weights.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from typing import Any
 
 import numpy as np
@@ -23,6 +29,30 @@ from erlay.supervisor.deadline import within
 from erlay.supervisor.errors import CallDeadlineExceeded
 
 DEFAULT_BUCKET_TIMEOUT_S = 60.0
+_MADV_DONTNEED = 4   # <sys/mman.h> on Linux
+
+
+def release_range(address: int, nbytes: int) -> int:
+    """Drop this process's mappings of the whole pages inside ``[address, address +
+    nbytes)``; returns the bytes released.
+
+    For a bucket read from the object store (a ``MAP_SHARED`` view) the data stays in the
+    store and only this process's resident count falls; a heap copy reads zeros afterwards.
+    Either way the caller must not read the range again: it calls this after copying it.
+    A no-op off Linux, or where the kernel refuses (the pages are kept; nothing is lost)."""
+    first = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if not sys.platform.startswith("linux") or last <= first:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED):
+        return 0
+    return last - first
+
+
+def release_pages(array: np.ndarray) -> int:
+    """:func:`release_range` over the whole of ``array``."""
+    return release_range(array.ctypes.data, array.nbytes) if array.nbytes else 0
 
 
 def check_buffer(refit: Refit, index: int, buffer: Any) -> np.ndarray:

@@ -95,6 +95,8 @@ from erlay.actors.engine.refit_load import (
     check_state,
     fetch_buckets,
     load_state,
+    release_pages,
+    release_range,
 )
 from erlay.actors.engine.tail import TailWindow
 from erlay.actors.model.build import Policy, build_policy
@@ -585,7 +587,9 @@ class TorchEngine:
         """Phase 2 of a refit (worker thread): each fetched bucket into the parameters in
         place.  A failure here propagates to the decode loop, which fails the engine."""
         for bucket, buffer in zip(manifest.buckets, buffers, strict=True):
-            copy_bucket(self._targets, self._aliases, bucket, buffer)
+            # Each chunk's pages handed back once copied: one chunk resident at a time.
+            copy_bucket(self._targets, self._aliases, bucket, buffer, release=release_range)
+            release_pages(buffer)   # the pages the chunks' edges shared
 
     def _publish(self, seq: Sequence, *, flush: bool = False) -> None:
         """Hand ``seq``'s due chunk to its stream; forget the stream once it finished."""

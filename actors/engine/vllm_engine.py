@@ -316,7 +316,7 @@ class VllmEngine:
         engine still serves; only once every bucket is staged are running requests cut and
         the files loaded in one ``reload_weights``.  A failed fetch (RefitUnavailable) leaves
         the served model and its version untouched."""
-        from erlay.actors.engine.refit_load import check_refs, fetch_bucket
+        from erlay.actors.engine.refit_load import check_refs, fetch_bucket, release_pages
         from erlay.actors.model.refit import check_shapes  # torch: not at import (boot)
 
         self._raise_if_failed()
@@ -335,6 +335,7 @@ class VllmEngine:
                     if await asyncio.to_thread(staging.stage_bucket, path, bucket, buffer,
                                                self._hf):
                         paths.append(path)
+                    release_pages(buffer)   # staged: its pages leave this process (refit_load)
                     del buffer
                 self._open.clear()
                 cut = [r for r in self._requests.values() if r.segment and not r.done]

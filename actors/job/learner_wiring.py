@@ -2,7 +2,8 @@
 rank's :class:`~erlay.actors.learner.options.LearnerOptions`, read from the config and the run
 directory in one place (:mod:`erlay.actors.learner.options` says why).
 
-May import: erlay.supervisor, erlay.actors.config, erlay.actors.rundir, erlay.actors.learner, erlay.actors.model.
+May import: erlay.supervisor, erlay.actors.config, erlay.actors.rundir, erlay.actors.learner,
+erlay.actors.model.
 """
 
 from __future__ import annotations

@@ -172,8 +172,9 @@ def pack_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     Rows go longest first, so each micro-batch pads to a length close to its rows' own; the
     order of positions within one is the order they are taken in.  A row longer than the
     budget alone gets a micro-batch of its own (a sequence is never split: such a pass holds
-    more than the budget, so set it at least ``model.max_seq_len``).  Pure and deterministic: every pass of a step (the
-    proximal, reference and training passes) packs the same rows the same way.
+    more than the budget, so set it at least ``model.max_seq_len``).  Pure and
+    deterministic: every pass of a step (the proximal, reference and training passes) packs
+    the same rows the same way.
 
     >>> pack_micro_batches([10, 30, 20, 5], 40)
     [[1], [2, 0], [3]]

@@ -41,6 +41,7 @@ from torch import nn
 from erlay.actors.model.errors import WeightsMismatch
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+COPY_CHUNK_BYTES = 16 * 2**20   # source bytes copied between two releases (copy_bucket)
 ALIGN = 16   # bytes: every tensor starts aligned, so a bucket's views need no copy
 
 DTYPES: dict[str, torch.dtype] = {
@@ -285,14 +286,29 @@ def bucket_views(bucket: Bucket, buffer: Any) -> Iterator[tuple[TensorSlot, torc
 
 @torch.no_grad()
 def copy_bucket(targets: Mapping[str, torch.Tensor], aliases: Mapping[str, str],
-                bucket: Bucket, buffer: Any) -> int:
+                bucket: Bucket, buffer: Any, *,
+                release: Callable[[int, int], object] | None = None,
+                chunk_bytes: int = COPY_CHUNK_BYTES) -> int:
     """Copy ``bucket``'s tensors from ``buffer`` into ``targets`` in place (converting to each
     target's dtype and device); returns the elements written.  The caller checked the
-    manifest (:func:`check_manifest`) first."""
+    manifest (:func:`check_manifest`) first.
+
+    With ``release``, each tensor is copied in chunks of at most ``chunk_bytes`` of the
+    source and ``release(address, nbytes)`` is called on each chunk once copied (the
+    engine hands those pages back: :func:`erlay.actors.engine.refit_load.release_range`);
+    the buffer must not be read again."""
     written = 0
     for slot, view in bucket_views(bucket, buffer):
         target = targets[aliases.get(slot.name, slot.name)]
-        target.copy_(view)
+        if release is None or not target.is_contiguous():   # no flat view: copied whole
+            target.copy_(view)
+        else:
+            source, dest = view.reshape(-1), target.view(-1)
+            step = max(1, chunk_bytes // view.element_size())
+            for start in range(0, source.numel(), step):
+                part = source[start:start + step]
+                dest[start:start + step].copy_(part)
+                release(part.data_ptr(), part.numel() * part.element_size())
         written += target.numel()
     return written
 

@@ -4,6 +4,8 @@ refused before any parameter is written."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -51,6 +53,25 @@ def test_buckets_round_trip_in_the_serving_dtype(dtype: str) -> None:
     assert next(s.dtype for s in slots if s.name == "steps") == "int64"
     floats = sum(v.numel() for v in src.values() if v.is_floating_point())
     assert sum(s.nbytes for s in slots) == floats * wire.itemsize + 8   # + the int64
+
+
+def test_a_chunked_copy_writes_the_same_and_releases_every_byte_once() -> None:
+    src = tensors()
+    (bucket, buffer), = pack_buckets(src, "float32", bucket_bytes=10**6)
+    released: list[tuple[int, int]] = []
+    got = {s.name: torch.zeros(s.shape, dtype=torch.int64 if s.dtype == "int64"
+                               else torch.float32) for s in bucket.tensors}
+    # 24 bytes a chunk: every tensor is split, and chunks end mid-tensor and at its end.
+    copy_bucket(got, {}, bucket, buffer, release=lambda a, n: released.append((a, n)),
+                chunk_bytes=24)
+    for name, value in src.items():
+        assert torch.equal(got[name], value), name
+    base = buffer.ctypes.data
+    spans = sorted((a - base, a - base + n) for a, n in released)
+    # The released spans are each tensor's bytes, in chunks of at most 24, none twice.
+    assert max(e - b for b, e in spans) <= 24
+    assert all(e0 <= b1 for (_, e0), (b1, _) in itertools.pairwise(spans))
+    assert sum(e - b for b, e in spans) == sum(s.nbytes for s in bucket.tensors)
 
 
 def test_buckets_are_bounded_and_an_oversized_tensor_gets_its_own() -> None:
