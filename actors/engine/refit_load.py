@@ -30,6 +30,8 @@ from erlay.supervisor.errors import CallDeadlineExceeded
 
 DEFAULT_BUCKET_TIMEOUT_S = 60.0
 _MADV_DONTNEED = 4   # <sys/mman.h> on Linux
+# The process's own C library (loaded once: release_range runs per 16 MiB of every refit).
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 
 
 def release_range(address: int, nbytes: int) -> int:
@@ -42,10 +44,9 @@ def release_range(address: int, nbytes: int) -> int:
     A no-op off Linux, or where the kernel refuses (the pages are kept; nothing is lost)."""
     first = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
     last = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if not sys.platform.startswith("linux") or last <= first:
+    if _LIBC is None or last <= first:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED):
+    if _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED):
         return 0
     return last - first
 
